@@ -1,0 +1,123 @@
+"""Argument checks shared by the fake kernels and the pure-torch reference.
+
+The C++ ops make the same checks with ``TORCH_CHECK_VALUE`` (csrc/include/cockpit_fast/checks.h),
+so every path raises ``ValueError`` with a message that names the op and the problem.
+"""
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Most p values one ``per_sample_stats`` call accepts (fixed-size state in the kernels).
+MAX_P_VALUES = 8
+
+
+def accumulation_dtype(dtype):
+    """float64 stays float64; every other accepted dtype accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_grad(op, g):
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(f"cockpit_fast.{op}: g must be a tensor, got {type(g).__name__}")
+    if g.dim() < 1:
+        raise ValueError(
+            f"cockpit_fast.{op}: g must have a leading batch dimension (N, *param_shape), "
+            f"got a {g.dim()}-d tensor"
+        )
+    if g.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"cockpit_fast.{op}: g must be float16, bfloat16, float32 or float64, got {g.dtype}"
+        )
+
+
+def check_companion(op, g, other, name):
+    """``other`` (a parameter or a direction) must have ``g``'s per-sample shape, device and dtype."""
+    if not isinstance(other, torch.Tensor):
+        raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(other).__name__}")
+    if other.device != g.device:
+        raise ValueError(
+            f"cockpit_fast.{op}: g is on {g.device} but {name} is on {other.device}"
+        )
+    if other.dtype != g.dtype:
+        raise ValueError(f"cockpit_fast.{op}: g is {g.dtype} but {name} is {other.dtype}")
+    if tuple(other.shape) != tuple(g.shape[1:]):
+        raise ValueError(
+            f"cockpit_fast.{op}: {name} must have shape g.shape[1:] = {tuple(g.shape[1:])}, "
+            f"got {tuple(other.shape)}"
+        )
+
+
+def check_bins(op, bins, axis=""):
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
+        raise ValueError(f"cockpit_fast.{op}: {axis}bins must be a positive integer, got {bins!r}")
+
+
+def check_range(op, lo, hi, axis=""):
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"cockpit_fast.{op}: {axis}range bounds must be finite, got ({lo}, {hi})")
+    if not lo < hi:
+        raise ValueError(f"cockpit_fast.{op}: {axis}range needs lo < hi, got ({lo}, {hi})")
+
+
+def check_scale(op, scale):
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"cockpit_fast.{op}: scale must be finite, got {scale}")
+
+
+def check_p_values(op, p_values):
+    if len(p_values) > MAX_P_VALUES:
+        raise ValueError(
+            f"cockpit_fast.{op}: at most {MAX_P_VALUES} p values per call, got {len(p_values)}"
+        )
+    for p in p_values:
+        if not (math.isfinite(p) and p > 0):
+            raise ValueError(
+                f"cockpit_fast.{op}: p values must be finite and > 0 (use the max_abs column "
+                f"for p = inf), got {p}"
+            )
+
+
+# One normaliser per op: used by the reference twins and by the fake kernels alike.
+
+
+def grad_args(op, g, scale):
+    check_grad(op, g)
+    check_scale(op, scale)
+    return float(scale)
+
+
+def hist1d_args(g, bins, range, scale):
+    scale = grad_args("hist1d", g, scale)
+    check_bins("hist1d", bins)
+    lo, hi = range
+    check_range("hist1d", lo, hi)
+    return bins, float(lo), float(hi), scale
+
+
+def hist2d_args(g, param, bins, range, scale):
+    scale = grad_args("hist2d", g, scale)
+    check_companion("hist2d", g, param, "param")
+    xbins, ybins = bins
+    (xlo, xhi), (ylo, yhi) = range
+    check_bins("hist2d", xbins, "x ")
+    check_bins("hist2d", ybins, "y ")
+    check_range("hist2d", xlo, xhi, "x ")
+    check_range("hist2d", ylo, yhi, "y ")
+    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi)), scale
+
+
+def batch_dot_args(g, direction, scale):
+    scale = grad_args("batch_dot", g, scale)
+    check_companion("batch_dot", g, direction, "direction")
+    return scale
+
+
+def per_sample_stats_args(g, scale, p_values):
+    scale = grad_args("per_sample_stats", g, scale)
+    p_values = [float(p) for p in p_values]
+    check_p_values("per_sample_stats", p_values)
+    return scale, p_values

@@ -1,0 +1,168 @@
+"""Typed wrappers around the fused ``cockpit_fast`` custom ops, with their fake kernels.
+
+Every op takes per-sample gradients ``g`` of shape ``(N, *param_shape)`` as BackPACK's ``BatchGrad``
+stores them, and a ``scale`` that multiplies the values before the statistic (Cockpit passes N to
+undo the 1/N of a mean-reduced loss). Sums come back in the accumulation dtype: float64 for
+float64 input, float32 for float32, float16 and bfloat16 (squares of float16 overflow early).
+
+When the C++ extension is not built, or ``COCKPIT_FAST_REFERENCE=1`` is set, the wrappers run the
+pure-torch twins in :mod:`cockpit_fast.reference` and warn once; ``has_extension()`` tells which.
+"""
+
+import os
+import warnings
+
+import torch
+
+from cockpit_fast import _validation as v
+from cockpit_fast import reference
+from cockpit_fast import stats as columns
+
+_FORCE_REFERENCE_ENV = "COCKPIT_FAST_REFERENCE"
+
+
+def _load_extension():
+    if os.environ.get(_FORCE_REFERENCE_ENV, "") not in ("", "0"):
+        return None, f"{_FORCE_REFERENCE_ENV} is set"
+    try:
+        from cockpit_fast import _C  # noqa: F401  (importing it registers the ops)
+    except ImportError as error:
+        return None, f"the C++ extension is not built ({error})"
+    return torch.ops.cockpit_fast, None
+
+
+_OPS, _WHY_REFERENCE = _load_extension()
+_warned = False
+
+
+def has_extension():
+    """True when the fused C++ (and, if built so, CUDA) kernels are in use."""
+    return _OPS is not None
+
+
+def has_cuda_kernels():
+    """True when the extension was compiled with its CUDA kernels."""
+    return _OPS is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "cockpit_fast::hist1d", "CUDA"
+    )
+
+
+def _use_reference():
+    global _warned
+    if _OPS is not None:
+        return False
+    if not _warned:
+        warnings.warn(
+            f"cockpit_fast runs its pure-torch reference ops, which are much slower: {_WHY_REFERENCE}. "
+            "Build the extension with `python setup.py build_ext --inplace` or `pip install .`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _warned = True
+    return True
+
+
+def batch_l2(g, scale=1.0):
+    """Per-sample squared norms sum_j (scale * g[n, j])^2, shape (N,)."""
+    if _use_reference():
+        return reference.batch_l2(g, scale)
+    return _OPS.batch_l2.default(g, float(scale))
+
+
+def sum_grad_squared(g, scale=1.0):
+    """sum_n (scale * g[n])^2, shape g.shape[1:]."""
+    if _use_reference():
+        return reference.sum_grad_squared(g, scale)
+    return _OPS.sum_grad_squared.default(g, float(scale))
+
+
+def batch_l2_and_sum_grad_squared(g, scale=1.0):
+    """``(batch_l2(g, scale), sum_grad_squared(g, scale))`` from one pass over g."""
+    if _use_reference():
+        return reference.batch_l2_and_sum_grad_squared(g, scale)
+    return _OPS.batch_l2_and_sum_grad_squared.default(g, float(scale))
+
+
+def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
+    """float32 counts, shape (bins,), of scale * g clamped into ``range`` and binned like torch.histc.
+
+    Equal-width bins, the last one closed; NaN is never counted, +-inf lands in the outer bins.
+    """
+    if _use_reference():
+        return reference.hist1d(g, bins, range, scale)
+    lo, hi = range
+    return _OPS.hist1d.default(g, bins, float(lo), float(hi), float(scale))
+
+
+def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
+    """float32 counts, shape bins, over pairs (scale * g[n, j], param[j]) for all n, j.
+
+    Both coordinates are clamped to the centres of their outer bins, as Cockpit's GradHist2d does;
+    ``param`` is broadcast over N inside the kernel. A pair with a NaN coordinate is not counted.
+    """
+    if _use_reference():
+        return reference.hist2d(g, param, bins, range, scale)
+    (xbins, ybins), ((xlo, xhi), (ylo, yhi)) = bins, range
+    return _OPS.hist2d.default(
+        g, param, xbins, ybins, float(xlo), float(xhi), float(ylo), float(yhi), float(scale)
+    )
+
+
+def batch_dot(g, direction, scale=1.0):
+    """scale * <g[n], direction> for every sample, shape (N,)."""
+    if _use_reference():
+        return reference.batch_dot(g, direction, scale)
+    return _OPS.batch_dot.default(g, direction, float(scale))
+
+
+def per_sample_stats(g, scale=1.0, p_values=()):
+    """Rows of max, min, mean, M2, max|x|, sum|x|^p per sample; see :mod:`cockpit_fast.stats`."""
+    if _use_reference():
+        return reference.per_sample_stats(g, scale, p_values)
+    return _OPS.per_sample_stats.default(g, float(scale), [float(p) for p in p_values])
+
+
+def _register_fake_kernels():
+    """Shape-only twins so the ops trace under torch.compile(fullgraph=True) and FakeTensor."""
+
+    def acc(g, *shape):
+        return g.new_empty(shape, dtype=v.accumulation_dtype(g.dtype))
+
+    @torch.library.register_fake("cockpit_fast::batch_l2")
+    def _(g, scale):
+        v.grad_args("batch_l2", g, scale)
+        return acc(g, g.shape[0])
+
+    @torch.library.register_fake("cockpit_fast::sum_grad_squared")
+    def _(g, scale):
+        v.grad_args("sum_grad_squared", g, scale)
+        return acc(g, *g.shape[1:])
+
+    @torch.library.register_fake("cockpit_fast::batch_l2_and_sum_grad_squared")
+    def _(g, scale):
+        v.grad_args("batch_l2_and_sum_grad_squared", g, scale)
+        return acc(g, g.shape[0]), acc(g, *g.shape[1:])
+
+    @torch.library.register_fake("cockpit_fast::hist1d")
+    def _(g, bins, lo, hi, scale):
+        v.hist1d_args(g, bins, (lo, hi), scale)
+        return g.new_empty((bins,), dtype=torch.float32)
+
+    @torch.library.register_fake("cockpit_fast::hist2d")
+    def _(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale):
+        v.hist2d_args(g, param, (xbins, ybins), ((xlo, xhi), (ylo, yhi)), scale)
+        return g.new_empty((xbins, ybins), dtype=torch.float32)
+
+    @torch.library.register_fake("cockpit_fast::batch_dot")
+    def _(g, direction, scale):
+        v.batch_dot_args(g, direction, scale)
+        return acc(g, g.shape[0])
+
+    @torch.library.register_fake("cockpit_fast::per_sample_stats")
+    def _(g, scale, p_values):
+        v.per_sample_stats_args(g, scale, p_values)
+        return acc(g, g.shape[0], columns.P0 + len(p_values))
+
+
+if _OPS is not None:
+    _register_fake_kernels()
