@@ -1,0 +1,54 @@
+// CPU kernel of hist1d: scale, clamp and bin in one pass, no intermediate tensor.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cockpit_fast/entry.h"
+#include "private_histograms.h"
+
+namespace cockpit_fast {
+namespace {
+
+constexpr int64_t kBatch = 256;  // slots computed per batch (a vectorisable loop), then counted
+
+template <typename scalar_t>
+void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, double scale,
+                   at::Tensor& counts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const Hist1dBins<acc_t> b = make_hist1d_bins<acc_t>(bins, lo, hi);
+  const acc_t s = static_cast<acc_t>(scale);
+  const scalar_t* data = rows.const_data_ptr<scalar_t>();
+  PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
+
+  at::parallel_for(0, rows.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t* mine = histograms.mine();
+    int64_t slots[kBatch];
+    for (int64_t base = begin; base < end; base += kBatch) {
+      const int64_t len = std::min(kBatch, end - base);
+      for (int64_t i = 0; i < len; ++i) {
+        slots[i] = hist1d_slot(s * static_cast<acc_t>(data[base + i]), b);
+      }
+      for (int64_t i = 0; i < len; ++i) histograms.add(mine, i, slots[i]);
+    }
+  });
+  histograms.sum_into(counts.data_ptr<int64_t>(), bins);
+}
+
+at::Tensor hist1d_cpu(const at::Tensor& g, int64_t bins, double lo, double hi, double scale) {
+  Hist1dArgs args = hist1d_args(g, bins, lo, hi, scale);
+  if (args.rows.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "hist1d", [&] {
+      hist1d_kernel<scalar_t>(args.rows, bins, lo, hi, scale, args.counts);
+    });
+  }
+  return counts_as_float(args.counts);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cockpit_fast, CPU, m) { m.impl("hist1d", &hist1d_cpu); }
+
+}  // namespace cockpit_fast

@@ -1,0 +1,82 @@
+// CPU kernel of hist2d: bins (scale * g[n, j], param[j]) pairs without expanding param over N.
+// The parameter's bin is computed once per column, then reused for every sample.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cockpit_fast/entry.h"
+#include "private_histograms.h"
+
+namespace cockpit_fast {
+namespace {
+
+constexpr int64_t kTileColumns = 2048;
+constexpr int64_t kGroupRows = 16;
+
+template <typename scalar_t>
+void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbins, int64_t ybins,
+                   double xlo, double xhi, double ylo, double yhi, double scale,
+                   at::Tensor& counts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const Hist2dAxis<acc_t> x_axis = make_hist2d_axis<acc_t>(xbins, xlo, xhi);
+  const Hist2dAxis<acc_t> y_axis = make_hist2d_axis<acc_t>(ybins, ylo, yhi);
+  const int64_t n_rows = rows.size(0), n_cols = rows.size(1);
+  const int64_t discard = xbins * ybins;
+  const acc_t s = static_cast<acc_t>(scale);
+  const scalar_t* data = rows.const_data_ptr<scalar_t>();
+
+  // The y bin of every column, or -1 where the parameter is NaN.
+  std::vector<int64_t> column_bin(n_cols);
+  const scalar_t* p = param.const_data_ptr<scalar_t>();
+  at::parallel_for(0, n_cols, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const acc_t y = static_cast<acc_t>(p[j]);
+      column_bin[j] = is_nan(y) ? -1 : hist2d_axis_bin(y, y_axis);
+    }
+  });
+
+  PrivateHistograms histograms(discard + 1);
+  const int64_t n_tiles = (n_cols + kTileColumns - 1) / kTileColumns;
+  const int64_t n_groups = (n_rows + kGroupRows - 1) / kGroupRows;
+  at::parallel_for(0, n_groups * n_tiles, 1, [&](int64_t begin, int64_t end) {
+    int64_t* mine = histograms.mine();
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t group = block / n_tiles, tile = block % n_tiles;
+      const int64_t j0 = tile * kTileColumns, j1 = std::min(n_cols, j0 + kTileColumns);
+      const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
+      for (int64_t n = group * kGroupRows; n < n_end; ++n) {
+        const scalar_t* row = data + n * n_cols;
+        for (int64_t j = j0; j < j1; ++j) {
+          const acc_t x = s * static_cast<acc_t>(row[j]);
+          const int64_t y_bin = column_bin[j];
+          const int64_t slot =
+              (is_nan(x) || y_bin < 0) ? discard : hist2d_axis_bin(x, x_axis) * ybins + y_bin;
+          histograms.add(mine, j, slot);
+        }
+      }
+    }
+  });
+  histograms.sum_into(counts.data_ptr<int64_t>(), discard);
+}
+
+at::Tensor hist2d_cpu(const at::Tensor& g, const at::Tensor& param, int64_t xbins, int64_t ybins,
+                      double xlo, double xhi, double ylo, double yhi, double scale) {
+  Hist2dArgs args = hist2d_args(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale);
+  if (args.rows.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "hist2d", [&] {
+      hist2d_kernel<scalar_t>(args.rows, args.param, xbins, ybins, xlo, xhi, ylo, yhi, scale,
+                              args.counts);
+    });
+  }
+  return counts_as_float(args.counts);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cockpit_fast, CPU, m) { m.impl("hist2d", &hist2d_cpu); }
+
+}  // namespace cockpit_fast

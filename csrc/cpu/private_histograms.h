@@ -1,0 +1,44 @@
+// Per-thread histograms for the CPU histogram kernels. Integer counts merge exactly, so the
+// result never depends on the number of threads. Small histograms get several interleaved
+// copies per thread: a run of values in one bin then alternates between counters instead of
+// waiting on one (data concentrated in few bins is the common case for gradients).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace cockpit_fast {
+
+class PrivateHistograms {
+ public:
+  // `slots` counters per histogram; the caller may use the last one as a discard slot.
+  explicit PrivateHistograms(int64_t slots)
+      : slots_(slots),
+        copies_(slots <= 8192 ? 4 : 1),
+        counts_(static_cast<size_t>(at::get_num_threads() * copies_ * slots), 0) {}
+
+  // The calling thread's counters; valid inside at::parallel_for.
+  int64_t* mine() { return counts_.data() + at::get_thread_num() * copies_ * slots_; }
+
+  // Counts `slot` for the i-th value a thread visits.
+  inline void add(int64_t* mine, int64_t i, int64_t slot) const {
+    ++mine[(i & (copies_ - 1)) * slots_ + slot];  // copies_ is 1 or 4
+  }
+
+  // Adds every thread's counters of slots [0, n_out) into out.
+  void sum_into(int64_t* out, int64_t n_out) const {
+    const int64_t histograms = static_cast<int64_t>(counts_.size()) / slots_;
+    for (int64_t h = 0; h < histograms; ++h) {
+      const int64_t* counts = counts_.data() + h * slots_;
+      for (int64_t s = 0; s < n_out; ++s) out[s] += counts[s];
+    }
+  }
+
+ private:
+  int64_t slots_, copies_;
+  std::vector<int64_t> counts_;
+};
+
+}  // namespace cockpit_fast

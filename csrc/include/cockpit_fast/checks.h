@@ -1,0 +1,76 @@
+// Input checks shared by the CPU and CUDA entry points. Every failure is a ValueError that names
+// the op and the problem; the Python fake kernels (cockpit_fast/_validation.py) say the same.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <vector>
+
+namespace cockpit_fast {
+
+// Most p values one per_sample_stats call takes: the kernels keep one running sum per p in a
+// fixed-size state. Mirrored by MAX_P_VALUES in cockpit_fast/_validation.py.
+constexpr int kMaxP = 8;
+
+inline void check_grad(const char* op, const at::Tensor& g, double scale) {
+  TORCH_CHECK_VALUE(g.dim() >= 1, "cockpit_fast.", op,
+                    ": g must have a leading batch dimension (N, *param_shape), got a ", g.dim(),
+                    "-d tensor");
+  const auto dtype = g.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                        dtype == at::kBFloat16,
+                    "cockpit_fast.", op, ": g must be float16, bfloat16, float32 or float64, got ",
+                    dtype);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "cockpit_fast.", op, ": scale must be finite, got ",
+                    scale);
+}
+
+// A parameter or direction must match g's per-sample shape, device and dtype.
+inline void check_companion(const char* op, const at::Tensor& g, const at::Tensor& other,
+                            const char* name) {
+  TORCH_CHECK_VALUE(other.device() == g.device(), "cockpit_fast.", op, ": g is on ", g.device(),
+                    " but ", name, " is on ", other.device());
+  TORCH_CHECK_VALUE(other.scalar_type() == g.scalar_type(), "cockpit_fast.", op, ": g is ",
+                    g.scalar_type(), " but ", name, " is ", other.scalar_type());
+  TORCH_CHECK_VALUE(other.sizes() == g.sizes().slice(1), "cockpit_fast.", op, ": ", name,
+                    " must have shape g.shape[1:] = ", g.sizes().slice(1), ", got ",
+                    other.sizes());
+}
+
+inline void check_bins(const char* op, int64_t bins, const char* axis) {
+  TORCH_CHECK_VALUE(bins > 0, "cockpit_fast.", op, ": ", axis,
+                    "bins must be a positive integer, got ", bins);
+}
+
+inline void check_range(const char* op, double lo, double hi, const char* axis) {
+  TORCH_CHECK_VALUE(std::isfinite(lo) && std::isfinite(hi), "cockpit_fast.", op, ": ", axis,
+                    "range bounds must be finite, got (", lo, ", ", hi, ")");
+  TORCH_CHECK_VALUE(lo < hi, "cockpit_fast.", op, ": ", axis, "range needs lo < hi, got (", lo,
+                    ", ", hi, ")");
+}
+
+inline void check_p_values(const char* op, const std::vector<double>& p_values) {
+  TORCH_CHECK_VALUE(p_values.size() <= static_cast<size_t>(kMaxP), "cockpit_fast.", op,
+                    ": at most ", kMaxP, " p values per call, got ", p_values.size());
+  for (double p : p_values) {
+    TORCH_CHECK_VALUE(std::isfinite(p) && p > 0, "cockpit_fast.", op,
+                      ": p values must be finite and > 0 (use the max_abs column for p = inf), "
+                      "got ",
+                      p);
+  }
+}
+
+// g as a contiguous (N, D) matrix; non-contiguous input is copied once.
+inline at::Tensor as_rows(const at::Tensor& g) {
+  int64_t per_sample = 1;  // explicit, since view(N, -1) is ambiguous when N == 0
+  for (int64_t d = 1; d < g.dim(); ++d) per_sample *= g.size(d);
+  return g.contiguous().view({g.size(0), per_sample});
+}
+
+inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace cockpit_fast

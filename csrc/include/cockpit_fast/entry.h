@@ -1,0 +1,96 @@
+// What every backend does before its kernel runs: check the arguments, view g as (N, D) rows,
+// allocate zero-filled outputs. Kernels only run on non-empty input, so empty tensors give the
+// identity of each statistic on every backend without a special case in any kernel.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "cockpit_fast/arithmetic.h"
+#include "cockpit_fast/checks.h"
+
+namespace cockpit_fast {
+
+inline at::TensorOptions accumulation_options(const at::Tensor& g) {
+  return g.options().dtype(accumulation_dtype(g.scalar_type()));
+}
+
+// Per-sample squared norms (N,) and the sum of squares over samples (D,), zero-filled.
+struct SquareNormsArgs {
+  at::Tensor rows, l2, sum_sq;
+};
+
+inline SquareNormsArgs square_norms_args(const char* op, const at::Tensor& g, double scale) {
+  check_grad(op, g, scale);
+  at::Tensor rows = as_rows(g);
+  return {rows, at::zeros({rows.size(0)}, accumulation_options(g)),
+          at::zeros({rows.size(1)}, accumulation_options(g))};
+}
+
+// Histogram counts are exact int64 while counting; the op returns them as float32.
+struct Hist1dArgs {
+  at::Tensor rows, counts;
+};
+
+inline Hist1dArgs hist1d_args(const at::Tensor& g, int64_t bins, double lo, double hi,
+                              double scale) {
+  check_grad("hist1d", g, scale);
+  check_bins("hist1d", bins, "");
+  check_range("hist1d", lo, hi, "");
+  return {as_rows(g), at::zeros({bins}, g.options().dtype(at::kLong))};
+}
+
+struct Hist2dArgs {
+  at::Tensor rows, param, counts;
+};
+
+inline Hist2dArgs hist2d_args(const at::Tensor& g, const at::Tensor& param, int64_t xbins,
+                              int64_t ybins, double xlo, double xhi, double ylo, double yhi,
+                              double scale) {
+  check_grad("hist2d", g, scale);
+  check_companion("hist2d", g, param, "param");
+  check_bins("hist2d", xbins, "x ");
+  check_bins("hist2d", ybins, "y ");
+  check_range("hist2d", xlo, xhi, "x ");
+  check_range("hist2d", ylo, yhi, "y ");
+  return {as_rows(g), param.contiguous().view({-1}),
+          at::zeros({xbins, ybins}, g.options().dtype(at::kLong))};
+}
+
+struct BatchDotArgs {
+  at::Tensor rows, direction, dots;
+};
+
+inline BatchDotArgs batch_dot_args(const at::Tensor& g, const at::Tensor& direction,
+                                   double scale) {
+  check_grad("batch_dot", g, scale);
+  check_companion("batch_dot", g, direction, "direction");
+  at::Tensor rows = as_rows(g);
+  return {rows, direction.contiguous().view({-1}),
+          at::zeros({rows.size(0)}, accumulation_options(g))};
+}
+
+// Rows start as the summary of no values, which is also what an empty row must report.
+struct PerSampleStatsArgs {
+  at::Tensor rows, stats;
+};
+
+inline PerSampleStatsArgs per_sample_stats_args(const at::Tensor& g, double scale,
+                                                const std::vector<double>& p_values) {
+  check_grad("per_sample_stats", g, scale);
+  check_p_values("per_sample_stats", p_values);
+  at::Tensor rows = as_rows(g);
+  const int64_t width = kPowSum0 + static_cast<int64_t>(p_values.size());
+  at::Tensor stats = at::zeros({rows.size(0), width}, accumulation_options(g));
+  stats.select(1, kMax).fill_(-std::numeric_limits<double>::infinity());
+  stats.select(1, kMin).fill_(std::numeric_limits<double>::infinity());
+  return {rows, stats};
+}
+
+// Every op returns its counts as float32, like torch.histc on float32 input.
+inline at::Tensor counts_as_float(const at::Tensor& counts) {
+  return counts.to(at::kFloat);
+}
+
+}  // namespace cockpit_fast
