@@ -6,6 +6,8 @@ the expanded parameter, the index tensor). Values are computed in the accumulati
 (float64 for float64 input, float32 otherwise), exactly like the kernels.
 """
 
+import math
+
 import torch
 
 from cockpit_fast import _validation as v
@@ -15,7 +17,7 @@ from cockpit_fast import stats as columns
 def _scaled(g, scale):
     """scale * g in the accumulation dtype, flattened per sample: (N, D)."""
     x = g.to(v.accumulation_dtype(g.dtype))
-    return (scale * x).reshape(g.shape[0], -1)
+    return (scale * x).reshape(g.shape[0], math.prod(g.shape[1:]))  # explicit: N may be 0
 
 
 def batch_l2(g, scale=1.0):

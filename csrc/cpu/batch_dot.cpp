@@ -52,9 +52,9 @@ void batch_dot_kernel(const at::Tensor& rows, const at::Tensor& direction, doubl
   const acc_t s = static_cast<acc_t>(scale);
   acc_t* out = dots.data_ptr<acc_t>();
   for (int64_t n = 0; n < n_rows; ++n) {
-    acc_t total = 0;
+    double total = 0;  // double: a long row has many tiles
     for (int64_t t = 0; t < n_tiles; ++t) total += partials[n * n_tiles + t];
-    out[n] = s * total;
+    out[n] = s * static_cast<acc_t>(total);
   }
 }
 

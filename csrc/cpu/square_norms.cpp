@@ -74,9 +74,9 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
     acc_t* out = l2.data_ptr<acc_t>();
     at::parallel_for(0, n_rows, 64, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        acc_t total = 0;
+        double total = 0;  // double: a long row has many tiles
         for (int64_t t = 0; t < n_tiles; ++t) total += row_partials[n * n_tiles + t];
-        out[n] = total;
+        out[n] = static_cast<acc_t>(total);
       }
     });
   }
@@ -84,9 +84,9 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
     acc_t* out = sum_sq.data_ptr<acc_t>();
     at::parallel_for(0, n_cols, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
-        acc_t total = 0;
+        double total = 0;  // double: a large batch has many row groups
         for (int64_t group = 0; group < n_groups; ++group) total += column_partials[group * n_cols + j];
-        out[j] = total;
+        out[j] = static_cast<acc_t>(total);
       }
     });
   }

@@ -112,13 +112,14 @@ C10_HOST_DEVICE inline acc_t abs_pow(acc_t a, acc_t p) {
   return p == acc_t(1) ? a : (p == acc_t(2) ? a * a : std::pow(a, p));
 }
 
-// First pass over a run: everything but m2, which needs the run's mean.
+// First pass over a run: everything but m2, which needs the run's mean. The sum is of x - shift
+// (a value of the run), so a large common offset does not swamp it.
 template <typename acc_t>
 C10_HOST_DEVICE inline void summary_add(Summary<acc_t>& s, acc_t x, const PValues<acc_t>& p,
-                                        acc_t& sum) {
+                                        acc_t shift, acc_t& shifted_sum) {
   const acc_t a = std::abs(x);
   s.count += 1;
-  sum += x;
+  shifted_sum += x - shift;
   s.max = nan_max(s.max, x);
   s.min = nan_min(s.min, x);
   s.max_abs = nan_max(s.max_abs, a);
@@ -134,10 +135,12 @@ C10_HOST_DEVICE inline Summary<acc_t> summarize_values(const acc_t* values, int6
                                                        const PValues<acc_t>& p) {
   Summary<acc_t> s;
   summary_init(s);
-  acc_t sum = 0;
-  for (int64_t i = 0; i < len; ++i) summary_add(s, values[i], p, sum);
+  // Shifting by an infinite value would turn every difference into NaN.
+  const acc_t shift = (len > 0 && values[0] - values[0] == 0) ? values[0] : acc_t(0);
+  acc_t shifted_sum = 0;
+  for (int64_t i = 0; i < len; ++i) summary_add(s, values[i], p, shift, shifted_sum);
   if (len > 0) {
-    s.mean = sum / s.count;
+    s.mean = shift + shifted_sum / s.count;
     for (int64_t i = 0; i < len; ++i) s.m2 += (values[i] - s.mean) * (values[i] - s.mean);
   }
   return s;
@@ -168,19 +171,42 @@ C10_HOST_DEVICE inline void summary_merge(Summary<acc_t>& a, const Summary<acc_t
 // Row layout of per_sample_stats' output; mirrored by cockpit_fast/stats.py.
 enum StatsColumn : int64_t { kMax = 0, kMin, kMean, kM2, kMaxAbs, kPowSum0 };
 
-// Merges a row's partial summaries in chunk order and writes the output row.
+template <typename acc_t>
+C10_HOST_DEVICE inline Summary<double> widen(const Summary<acc_t>& s) {
+  Summary<double> w;
+  w.count = s.count;
+  w.mean = s.mean;
+  w.m2 = s.m2;
+  w.max = s.max;
+  w.min = s.min;
+  w.max_abs = s.max_abs;
+  for (int i = 0; i < kMaxP; ++i) w.pow_sum[i] = s.pow_sum[i];
+  return w;
+}
+
+template <typename acc_t>
+C10_HOST_DEVICE inline PValues<double> widen(const PValues<acc_t>& p) {
+  PValues<double> w;
+  w.count = p.count;
+  for (int i = 0; i < kMaxP; ++i) w.p[i] = p.p[i];
+  return w;
+}
+
+// Merges a row's partial summaries in chunk order and writes the output row. The merge runs in
+// double: a long row has many chunks, and float sums over them would lose digits.
 template <typename acc_t>
 C10_HOST_DEVICE inline void summaries_to_row(const Summary<acc_t>* partials, int64_t n_partials,
                                              const PValues<acc_t>& p, acc_t* row) {
-  Summary<acc_t> total;
+  const PValues<double> wide_p = widen(p);
+  Summary<double> total;
   summary_init(total);
-  for (int64_t c = 0; c < n_partials; ++c) summary_merge(total, partials[c], p);
-  row[kMax] = total.max;
-  row[kMin] = total.min;
-  row[kMean] = total.mean;
-  row[kM2] = total.m2;
-  row[kMaxAbs] = total.max_abs;
-  for (int i = 0; i < p.count; ++i) row[kPowSum0 + i] = total.pow_sum[i];
+  for (int64_t c = 0; c < n_partials; ++c) summary_merge(total, widen(partials[c]), wide_p);
+  row[kMax] = static_cast<acc_t>(total.max);
+  row[kMin] = static_cast<acc_t>(total.min);
+  row[kMean] = static_cast<acc_t>(total.mean);
+  row[kM2] = static_cast<acc_t>(total.m2);
+  row[kMaxAbs] = static_cast<acc_t>(total.max_abs);
+  for (int i = 0; i < p.count; ++i) row[kPowSum0 + i] = static_cast<acc_t>(total.pow_sum[i]);
 }
 
 template <typename acc_t>

@@ -1,0 +1,119 @@
+// CUDA kernel of hist2d. A block owns a tile of columns and a group of rows; each thread owns
+// VEC columns, bins their parameter values once into registers, then walks the rows binning
+// scale * g[n, j]. The parameter is never expanded over N. Counts go to privatised
+// shared-memory histograms (one copy per warp where they fit, warp-aggregated atomics within).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include "cockpit_fast/cuda_common.cuh"
+#include "cockpit_fast/entry.h"
+
+namespace cockpit_fast {
+namespace {
+
+using namespace cockpit_fast::cuda;
+
+template <typename scalar_t, int VEC, bool kShared>
+__global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t* __restrict__ param,
+                              int64_t n_rows, int64_t n_cols, int64_t rows_per_group,
+                              Hist2dAxis<at::opmath_type<scalar_t>> x_axis,
+                              Hist2dAxis<at::opmath_type<scalar_t>> y_axis,
+                              at::opmath_type<scalar_t> scale, int copies,
+                              unsigned long long* __restrict__ counts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ unsigned int shared_counts[];
+  const int64_t discard = x_axis.bins * y_axis.bins;  // slot of pairs that are not counted
+  const int64_t slots = discard + 1;
+  unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
+  if constexpr (kShared) {
+    for (int64_t i = threadIdx.x; i < slots * copies; i += blockDim.x) shared_counts[i] = 0;
+    __syncthreads();
+  }
+
+  const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
+  int64_t y_bin[VEC];  // -1: column out of range or parameter NaN
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const acc_t y = j + k < n_cols ? static_cast<acc_t>(param[j + k]) : acc_t(0);
+    y_bin[k] = (j + k >= n_cols || is_nan(y)) ? -1 : hist2d_axis_bin(y, y_axis);
+  }
+
+  const int64_t n_begin = static_cast<int64_t>(blockIdx.y) * rows_per_group;
+  const int64_t n_end = min(n_rows, n_begin + rows_per_group);
+  for (int64_t n = n_begin; n < n_end; ++n) {  // uniform per block: every lane counts together
+    const scalar_t* row = data + n * n_cols;
+    scalar_t values[VEC];
+    if (VEC > 1 && j + VEC <= n_cols) {
+      const Pack<scalar_t, VEC> pack = *reinterpret_cast<const Pack<scalar_t, VEC>*>(row + j);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) values[k] = pack.v[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) values[k] = j + k < n_cols ? row[j + k] : scalar_t(0);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const acc_t x = scale * static_cast<acc_t>(values[k]);
+      const int64_t slot = (y_bin[k] < 0 || is_nan(x))
+                               ? discard
+                               : hist2d_axis_bin(x, x_axis) * y_axis.bins + y_bin[k];
+      if constexpr (kShared) {
+        count_in_warp(warp_counts, static_cast<unsigned int>(slot));
+      } else if (slot < discard) {
+        atomicAdd(counts + slot, 1ULL);
+      }
+    }
+  }
+
+  if constexpr (kShared) {
+    __syncthreads();
+    for (int64_t b = threadIdx.x; b < discard; b += blockDim.x) {
+      unsigned long long total = 0;
+      for (int c = 0; c < copies; ++c) total += shared_counts[c * slots + b];
+      if (total > 0) atomicAdd(counts + b, total);
+    }
+  }
+}
+
+at::Tensor hist2d_cuda(const at::Tensor& g, const at::Tensor& param, int64_t xbins, int64_t ybins,
+                       double xlo, double xhi, double ylo, double yhi, double scale) {
+  const c10::cuda::CUDAGuard guard(g.device());
+  Hist2dArgs args = hist2d_args(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale);
+  const int64_t n_rows = args.rows.size(0), n_cols = args.rows.size(1);
+  if (args.rows.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "hist2d", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* data = args.rows.const_data_ptr<scalar_t>();
+      const scalar_t* p = args.param.const_data_ptr<scalar_t>();
+      const Hist2dAxis<acc_t> x_axis = make_hist2d_axis<acc_t>(xbins, xlo, xhi);
+      const Hist2dAxis<acc_t> y_axis = make_hist2d_axis<acc_t>(ybins, ylo, yhi);
+      auto* counts = reinterpret_cast<unsigned long long*>(args.counts.data_ptr<int64_t>());
+      const int copies = shared_histogram_copies(xbins * ybins + 1);
+      const auto stream = current_stream();
+      // param is read once per block, value by value: only g's layout sets the vector width.
+      with_vector_width<scalar_t>(vector_width<scalar_t>(data, n_cols), [&](auto vec) {
+        constexpr int VEC = decltype(vec)::value;
+        const RowTileGrid grid = row_tile_grid(n_rows, n_cols, VEC);
+        if (copies > 0) {
+          const size_t shared_bytes = sizeof(unsigned int) * (xbins * ybins + 1) * copies;
+          hist2d_kernel<scalar_t, VEC, true><<<grid.grid(), kThreads, shared_bytes, stream>>>(
+              data, p, n_rows, n_cols, grid.rows_per_group, x_axis, y_axis,
+              static_cast<acc_t>(scale), copies, counts);
+        } else {
+          hist2d_kernel<scalar_t, VEC, false><<<grid.grid(), kThreads, 0, stream>>>(
+              data, p, n_rows, n_cols, grid.rows_per_group, x_axis, y_axis,
+              static_cast<acc_t>(scale), 1, counts);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  }
+  return counts_as_float(args.counts);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cockpit_fast, CUDA, m) { m.impl("hist2d", &hist2d_cuda); }
+
+}  // namespace cockpit_fast

@@ -1,0 +1,114 @@
+"""hist1d: clamped 1D histograms of scaled per-sample gradient values."""
+
+import weakref
+
+import pytest
+import torch
+
+from cockpit_fast import ops, reference
+from conftest import (
+    BATCH_SIZES,
+    DEVICES,
+    DTYPES,
+    LAYOUTS,
+    PARAM_SHAPES,
+    assert_rejects,
+    bad_grads,
+    cockpit_module,
+    random_grad,
+    requires_cuda,
+    same_on_one_and_two_threads,
+    values_near_edges,
+)
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("param_shape", PARAM_SHAPES)
+@pytest.mark.parametrize("n", BATCH_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference(device, dtype, param_shape, n, layout):
+    # Spread so that many values fall outside the range and are clamped into the outer bins.
+    g = random_grad(n, param_shape, dtype, device, layout, seed=n, spread=1.5 / n)
+    bins, lo, hi, scale = 31, -2.0, 2.5, float(n)
+    counts = ops.hist1d(g, bins, (lo, hi), scale)
+    assert counts.dtype == torch.float32 and counts.shape == (bins,)
+    # Same arithmetic as the reference in the same precision: identical counts.
+    assert torch.equal(counts, reference.hist1d(g, bins, (lo, hi), scale))
+    # Against float64: every value counted, bins differ only for values at an edge's rounding.
+    exact = reference.hist1d(g.double(), bins, (lo, hi), scale)
+    assert counts.sum() == g.numel()
+    near = values_near_edges(scale * g.double(), lo, hi, bins, tol=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4)
+    assert (counts - exact).abs().sum() <= 2 * near
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_same_counts_as_cockpit_grad_hist_1d(dtype):
+    grad_hist = cockpit_module("cockpit.quantities.grad_hist")
+    quantity = grad_hist.GradHist1d(track_schedule=lambda step: True, bins=60, range=(-1.5, 1.5))
+    g = random_grad(32, (20, 30), dtype, spread=0.05)
+    expected, _edges = quantity._compute_histogram(g)
+    assert torch.equal(ops.hist1d(g, 60, (-1.5, 1.5), scale=32), expected.float())
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_values_on_bin_edges(device, dtype):
+    bins, lo, hi = 40, -2.0, 2.0
+    edges = torch.linspace(lo, hi, bins + 1, dtype=dtype)
+    middles = (edges[1:] + edges[:-1]) / 2
+    g = torch.cat([edges, middles, edges[5:9]]).reshape(5, 17).to(device)
+    counts = ops.hist1d(g, bins, (lo, hi))
+    assert torch.equal(counts, reference.hist1d(g, bins, (lo, hi)))
+    assert counts[-1] >= 2  # hi itself lands in the closed last bin
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_is_not_counted_and_infinities_are_clamped(device):
+    g = random_grad(3, (50,), device=device, spread=0.1)
+    g[0, :4] = float("nan")
+    g[1, :3] = float("inf")
+    g[2, :2] = -float("inf")
+    counts = ops.hist1d(g, 10, (-1.0, 1.0))
+    assert counts.sum() == g.numel() - 4
+    assert counts[-1] >= 3 and counts[0] >= 2
+    assert torch.equal(counts, reference.hist1d(g, 10, (-1.0, 1.0)))
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concentrated_and_large_histograms(device):
+    # Every value in one bin; and more bins than fit in shared memory / the interleaved CPU copies.
+    g = torch.full((64, 1000), 0.3, device=device)
+    assert ops.hist1d(g, 100, (-1.0, 1.0))[65] == g.numel()
+    spread = random_grad(16, (3000,), device=device)
+    assert torch.equal(ops.hist1d(spread, 20000, (-3.0, 3.0)), reference.hist1d(spread, 20000, (-3.0, 3.0)))
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0), (0,)])
+def test_empty_input(device, shape):
+    g = torch.empty(shape, device=device)
+    assert torch.equal(ops.hist1d(g, 12), torch.zeros(12, device=device))
+    assert torch.equal(reference.hist1d(g, 12), torch.zeros(12, device=device))
+
+def test_same_counts_on_any_thread_count():
+    g = random_grad(100, (4000,), spread=0.7)
+    one, two = same_on_one_and_two_threads(lambda: ops.hist1d(g, 77, (-1.0, 1.0)))
+    assert torch.equal(one, two)
+
+def test_rejects_bad_input():
+    for g, message in bad_grads():
+        assert_rejects("hist1d", lambda m: m.hist1d(g), message)
+    g = torch.ones(2, 3)
+    for bins in (0, -3):
+        assert_rejects("hist1d", lambda m: m.hist1d(g, bins), "bins must be a positive integer")
+    for rng in [(1.0, 1.0), (2.0, -2.0)]:
+        assert_rejects("hist1d", lambda m: m.hist1d(g, 10, rng), "lo < hi")
+    for rng in [(float("-inf"), 1.0), (0.0, float("nan"))]:
+        assert_rejects("hist1d", lambda m: m.hist1d(g, 10, rng), "must be finite")
+    assert_rejects("hist1d", lambda m: m.hist1d(g, 10, (-1.0, 1.0), float("nan")), "scale must be finite")
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    g = random_grad(6, (5, 4), device=device)
+    torch.library.opcheck(torch.ops.cockpit_fast.hist1d.default, (g, 20, -1.0, 1.0, 6.0))
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu(dtype):
+    g = random_grad(128, (256, 78), dtype, spread=0.02)
+    assert torch.equal(ops.hist1d(g.cuda(), 100, (-2.0, 2.0), 128.0).cpu(), ops.hist1d(g, 100, (-2.0, 2.0), 128.0))

@@ -1,0 +1,117 @@
+"""per_sample_stats: one fused pass giving max, min, mean, M2, max|x| and sum |x|^p per sample."""
+
+import math
+
+import pytest
+import torch
+
+from cockpit_fast import ops, reference, stats
+from conftest import (
+    BATCH_SIZES,
+    DEVICES,
+    DTYPES,
+    LAYOUTS,
+    PARAM_SHAPES,
+    assert_rejects,
+    bad_grads,
+    random_grad,
+    requires_cuda,
+    same_on_one_and_two_threads,
+)
+
+P_VALUES = [1.0, 2.0, 3.5, 0.5]
+
+
+def assert_stats_close(actual, expected, dtype):
+    """Everything to the accumulation's rounding (the scaling rounds the extremes too)."""
+    assert actual.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    actual, expected = actual.double(), expected.double()
+    rtol = 1e-12 if dtype == torch.float64 else 2e-5
+    for column in (stats.MAX, stats.MIN, stats.MAX_ABS):
+        torch.testing.assert_close(actual[:, column], expected[:, column], rtol=rtol, atol=0)
+    torch.testing.assert_close(actual[:, stats.M2], expected[:, stats.M2], rtol=rtol, atol=1e-9)
+    torch.testing.assert_close(actual[:, stats.P0:], expected[:, stats.P0:], rtol=rtol, atol=1e-9)
+    # The mean cancels: bound its error by the mean of |x| (column P0 is sum |x|, p = 1).
+    mean_abs = expected[:, stats.P0] / max(1, expected.shape[1])
+    assert ((actual[:, stats.MEAN] - expected[:, stats.MEAN]).abs() <= rtol * mean_abs + 1e-12).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("param_shape", PARAM_SHAPES)
+@pytest.mark.parametrize("n", BATCH_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_float64_reference(device, dtype, param_shape, n, layout):
+    g = random_grad(n, param_shape, dtype, device, layout, seed=n)
+    result = ops.per_sample_stats(g, float(n), P_VALUES)
+    assert result.shape == (n, stats.P0 + len(P_VALUES))
+    assert_stats_close(result, reference.per_sample_stats(g.double(), float(n), P_VALUES), dtype)
+    # Extremes involve no sums: the same precision's reference gives them exactly.
+    same_precision = reference.per_sample_stats(g, float(n), P_VALUES)
+    extremes = [stats.MAX, stats.MIN, stats.MAX_ABS]
+    assert torch.equal(result[:, extremes], same_precision[:, extremes])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_moment_is_accurate_far_from_zero(device):
+    # A large common offset: sum-of-squares formulas lose every digit here, Welford/Chan does not.
+    g = (1e4 + random_grad(3, (20000,), torch.float64, device)).float()
+    m2 = ops.per_sample_stats(g)[:, stats.M2].double()
+    expected = reference.per_sample_stats(g.double())[:, stats.M2]
+    torch.testing.assert_close(m2, expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merging_parameters_equals_one_concatenated_parameter(device):
+    parts = [random_grad(6, shape, torch.float64, device, seed=i) for i, shape in enumerate([(30, 7), (5,), (0,), (5000,)])]
+    merged, count = stats.merge([(ops.per_sample_stats(p, 2.0, [1.0, 3.0]), p[0].numel()) for p in parts])
+    whole = torch.cat([p.flatten(1) for p in parts], dim=1)
+    assert count == whole.shape[1]
+    torch.testing.assert_close(merged, reference.per_sample_stats(whole, 2.0, [1.0, 3.0]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_rows_report_the_identity_of_every_merge(device):
+    result = ops.per_sample_stats(torch.empty(3, 0, device=device), 1.0, [2.0])
+    identity = torch.tensor([-math.inf, math.inf, 0.0, 0.0, 0.0, 0.0], device=device)
+    assert torch.equal(result, identity.expand(3, -1))
+    assert torch.equal(reference.per_sample_stats(torch.empty(3, 0, device=device), 1.0, [2.0]), result)
+    assert ops.per_sample_stats(torch.empty(0, 4, device=device), 1.0, [2.0]).shape == (0, 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates_to_every_column(device):
+    g = random_grad(2, (5000,), device=device)
+    g[1, 4500] = float("nan")
+    result = ops.per_sample_stats(g, 1.0, [1.0])
+    assert result[1].isnan().all() and result[0].isfinite().all()
+
+
+def test_same_result_on_any_thread_count():
+    g = random_grad(40, (9000,))
+    one, two = same_on_one_and_two_threads(lambda: ops.per_sample_stats(g, 1.0, P_VALUES))
+    assert torch.equal(one, two)
+
+
+def test_rejects_bad_input():
+    for g, message in bad_grads():
+        assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g), message)
+    g = torch.ones(2, 3)
+    for p in (0.0, -1.0, float("inf"), float("nan")):
+        assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [p]), "p values must be finite and > 0")
+    assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [1.0] * 9), "at most 8 p values")
+    assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g, float("inf")), "scale must be finite")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    g = random_grad(6, (5, 4), device=device)
+    torch.library.opcheck(torch.ops.cockpit_fast.per_sample_stats.default, (g, 6.0, [1.0, 2.5]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu(dtype):
+    g = random_grad(64, (256, 33), dtype)
+    cpu = ops.per_sample_stats(g, 64.0, P_VALUES)
+    torch.testing.assert_close(ops.per_sample_stats(g.cuda(), 64.0, P_VALUES).cpu(), cpu, rtol=1e-4, atol=1e-5)
