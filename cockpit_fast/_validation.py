@@ -13,6 +13,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Most p values one ``per_sample_stats`` call accepts (fixed-size state in the kernels).
 MAX_P_VALUES = 8
 
+#: Most cells one histogram may have (int32 slots in the kernels; float32 resolves no more).
+MAX_BINS = 2**24
+
 
 def accumulation_dtype(dtype):
     """float64 stays float64; every other accepted dtype accumulates in float32."""
@@ -55,6 +58,11 @@ def check_bins(op, bins, axis=""):
         raise ValueError(f"cockpit_fast.{op}: {axis}bins must be a positive integer, got {bins!r}")
 
 
+def check_cells(op, cells):
+    if cells > MAX_BINS:
+        raise ValueError(f"cockpit_fast.{op}: at most {MAX_BINS} histogram cells, got {cells}")
+
+
 def check_range(op, lo, hi, axis=""):
     lo, hi = float(lo), float(hi)
     if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -93,6 +101,7 @@ def grad_args(op, g, scale):
 def hist1d_args(g, bins, range, scale):
     scale = grad_args("hist1d", g, scale)
     check_bins("hist1d", bins)
+    check_cells("hist1d", bins)
     lo, hi = range
     check_range("hist1d", lo, hi)
     return bins, float(lo), float(hi), scale
@@ -105,6 +114,7 @@ def hist2d_args(g, param, bins, range, scale):
     (xlo, xhi), (ylo, yhi) = range
     check_bins("hist2d", xbins, "x ")
     check_bins("hist2d", ybins, "y ")
+    check_cells("hist2d", xbins * ybins)
     check_range("hist2d", xlo, xhi, "x ")
     check_range("hist2d", ylo, yhi, "y ")
     return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi)), scale

@@ -25,13 +25,13 @@ void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, d
 
   at::parallel_for(0, rows.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     int64_t* mine = histograms.mine();
-    int64_t slots[kBatch];
+    int32_t slots[kBatch];
     for (int64_t base = begin; base < end; base += kBatch) {
       const int64_t len = std::min(kBatch, end - base);
       for (int64_t i = 0; i < len; ++i) {
         slots[i] = hist1d_slot(s * static_cast<acc_t>(data[base + i]), b);
       }
-      for (int64_t i = 0; i < len; ++i) histograms.add(mine, i, slots[i]);
+      histograms.count(mine, slots, len);
     }
   });
   histograms.sum_into(counts.data_ptr<int64_t>(), bins);

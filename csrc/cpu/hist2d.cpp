@@ -25,18 +25,15 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
   const Hist2dAxis<acc_t> x_axis = make_hist2d_axis<acc_t>(xbins, xlo, xhi);
   const Hist2dAxis<acc_t> y_axis = make_hist2d_axis<acc_t>(ybins, ylo, yhi);
   const int64_t n_rows = rows.size(0), n_cols = rows.size(1);
-  const int64_t discard = xbins * ybins;
+  const int32_t discard = static_cast<int32_t>(xbins * ybins);  // slot of uncounted pairs
   const acc_t s = static_cast<acc_t>(scale);
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
 
-  // The y bin of every column, or -1 where the parameter is NaN.
-  std::vector<int64_t> column_bin(n_cols);
+  // The y bin of every column (-1 where the parameter is NaN), computed once for all samples.
+  std::vector<int32_t> column_bin(n_cols);
   const scalar_t* p = param.const_data_ptr<scalar_t>();
   at::parallel_for(0, n_cols, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const acc_t y = static_cast<acc_t>(p[j]);
-      column_bin[j] = is_nan(y) ? -1 : hist2d_axis_bin(y, y_axis);
-    }
+    for (int64_t j = begin; j < end; ++j) column_bin[j] = hist2d_axis_bin(static_cast<acc_t>(p[j]), y_axis);
   });
 
   PrivateHistograms histograms(discard + 1);
@@ -44,19 +41,19 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
   const int64_t n_groups = (n_rows + kGroupRows - 1) / kGroupRows;
   at::parallel_for(0, n_groups * n_tiles, 1, [&](int64_t begin, int64_t end) {
     int64_t* mine = histograms.mine();
+    int32_t slots[kTileColumns];
     for (int64_t block = begin; block < end; ++block) {
       const int64_t group = block / n_tiles, tile = block % n_tiles;
-      const int64_t j0 = tile * kTileColumns, j1 = std::min(n_cols, j0 + kTileColumns);
+      const int64_t j0 = tile * kTileColumns, len = std::min(kTileColumns, n_cols - j0);
+      const int32_t* y_bins = column_bin.data() + j0;
       const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
       for (int64_t n = group * kGroupRows; n < n_end; ++n) {
-        const scalar_t* row = data + n * n_cols;
-        for (int64_t j = j0; j < j1; ++j) {
-          const acc_t x = s * static_cast<acc_t>(row[j]);
-          const int64_t y_bin = column_bin[j];
-          const int64_t slot =
-              (is_nan(x) || y_bin < 0) ? discard : hist2d_axis_bin(x, x_axis) * ybins + y_bin;
-          histograms.add(mine, j, slot);
+        const scalar_t* x = data + n * n_cols + j0;
+        for (int64_t j = 0; j < len; ++j) {
+          const int32_t x_bin = hist2d_axis_bin(s * static_cast<acc_t>(x[j]), x_axis);
+          slots[j] = hist2d_slot(x_bin, y_bins[j], y_axis.bins, discard);
         }
+        histograms.count(mine, slots, len);
       }
     }
   });

@@ -22,9 +22,10 @@ class PrivateHistograms {
   // The calling thread's counters; valid inside at::parallel_for.
   int64_t* mine() { return counts_.data() + at::get_thread_num() * copies_ * slots_; }
 
-  // Counts `slot` for the i-th value a thread visits.
-  inline void add(int64_t* mine, int64_t i, int64_t slot) const {
-    ++mine[(i & (copies_ - 1)) * slots_ + slot];  // copies_ is 1 or 4
+  // Counts slots[0..len) into the calling thread's counters, value i into copy i % copies.
+  void count(int64_t* mine, const int32_t* slots, int64_t len) const {
+    const int64_t mask = copies_ - 1, stride = slots_;  // copies_ is 1 or 4; locals: no aliasing
+    for (int64_t i = 0; i < len; ++i) ++mine[(i & mask) * stride + slots[i]];
   }
 
   // Adds every thread's counters of slots [0, n_out) into out.

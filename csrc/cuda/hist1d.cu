@@ -43,7 +43,7 @@ __global__ void hist1d_kernel(const scalar_t* __restrict__ data, int64_t numel,
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const int64_t slot =
+      const int32_t slot =
           i + k < numel ? hist1d_slot(scale * static_cast<acc_t>(values[k]), bins) : bins.bins;
       if constexpr (kShared) {
         count_in_warp(warp_counts, static_cast<unsigned int>(slot));

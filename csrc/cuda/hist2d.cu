@@ -23,7 +23,7 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
                               unsigned long long* __restrict__ counts) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ unsigned int shared_counts[];
-  const int64_t discard = x_axis.bins * y_axis.bins;  // slot of pairs that are not counted
+  const int32_t discard = x_axis.bins * y_axis.bins;  // slot of pairs that are not counted
   const int64_t slots = discard + 1;
   unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
   if constexpr (kShared) {
@@ -32,11 +32,10 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
   }
 
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
-  int64_t y_bin[VEC];  // -1: column out of range or parameter NaN
+  int32_t y_bin[VEC];  // -1: column out of range or parameter NaN
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const acc_t y = j + k < n_cols ? static_cast<acc_t>(param[j + k]) : acc_t(0);
-    y_bin[k] = (j + k >= n_cols || is_nan(y)) ? -1 : hist2d_axis_bin(y, y_axis);
+    y_bin[k] = j + k < n_cols ? hist2d_axis_bin(static_cast<acc_t>(param[j + k]), y_axis) : -1;
   }
 
   const int64_t n_begin = static_cast<int64_t>(blockIdx.y) * rows_per_group;
@@ -54,10 +53,8 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const acc_t x = scale * static_cast<acc_t>(values[k]);
-      const int64_t slot = (y_bin[k] < 0 || is_nan(x))
-                               ? discard
-                               : hist2d_axis_bin(x, x_axis) * y_axis.bins + y_bin[k];
+      const int32_t x_bin = hist2d_axis_bin(scale * static_cast<acc_t>(values[k]), x_axis);
+      const int32_t slot = hist2d_slot(x_bin, y_bin[k], y_axis.bins, discard);
       if constexpr (kShared) {
         count_in_warp(warp_counts, static_cast<unsigned int>(slot));
       } else if (slot < discard) {

@@ -32,27 +32,35 @@ C10_HOST_DEVICE inline T nan_min(T a, T b) {
   return (is_nan(a) || a < b) ? a : b;
 }
 
+// Histogram slots are int32: checks.h caps a histogram at kMaxBins cells, and 32-bit
+// conversions and selects vectorise where 64-bit ones do not. The code is branch-free (selects)
+// for the same reason, and never converts NaN to an integer.
+
 // ---------------------------------------------------------------------------------------------
 // hist1d: clamp into [lo, hi], then torch.histc's CPU bin rule
 //   pos = (x - lo) * bins / (hi - lo), the last bin closed.
 template <typename acc_t>
 struct Hist1dBins {
   acc_t lo, hi, span;  // span = hi - lo, rounded as histc rounds it
-  int64_t bins;        // slot `bins` collects what is not counted (NaN)
+  int32_t bins;        // slot `bins` collects what is not counted (NaN)
 };
 
 template <typename acc_t>
 inline Hist1dBins<acc_t> make_hist1d_bins(int64_t bins, double lo, double hi) {
   const acc_t lo_acc = static_cast<acc_t>(lo), hi_acc = static_cast<acc_t>(hi);
-  return {lo_acc, hi_acc, hi_acc - lo_acc, bins};
+  return {lo_acc, hi_acc, hi_acc - lo_acc, static_cast<int32_t>(bins)};
 }
 
 template <typename acc_t>
-C10_HOST_DEVICE inline int64_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) {
-  if (is_nan(x)) return b.bins;
-  x = x < b.lo ? b.lo : (x > b.hi ? b.hi : x);
-  const int64_t pos = static_cast<int64_t>((x - b.lo) * static_cast<acc_t>(b.bins) / b.span);
-  return pos >= b.bins ? b.bins - 1 : pos;
+C10_HOST_DEVICE inline int32_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) {
+  const bool nan = is_nan(x);
+  acc_t clamped = x < b.lo ? b.lo : x;
+  clamped = clamped > b.hi ? b.hi : clamped;
+  clamped = nan ? b.lo : clamped;
+  const int32_t pos =
+      static_cast<int32_t>((clamped - b.lo) * static_cast<acc_t>(b.bins) / b.span);
+  const int32_t bin = pos >= b.bins ? b.bins - 1 : pos;
+  return nan ? b.bins : bin;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -61,23 +69,34 @@ C10_HOST_DEVICE inline int64_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) 
 template <typename acc_t>
 struct Hist2dAxis {
   acc_t lo, width, clamp_lo, clamp_hi;
-  int64_t bins;
+  int32_t bins;
 };
 
 template <typename acc_t>
 inline Hist2dAxis<acc_t> make_hist2d_axis(int64_t bins, double lo, double hi) {
   const double width = (hi - lo) / static_cast<double>(bins);
   return {static_cast<acc_t>(lo), static_cast<acc_t>(width), static_cast<acc_t>(lo + width / 2),
-          static_cast<acc_t>(hi - width / 2), bins};
+          static_cast<acc_t>(hi - width / 2), static_cast<int32_t>(bins)};
 }
 
-// Bin of a non-NaN value along one axis.
+// Bin of x along one axis, or -1 for NaN.
 template <typename acc_t>
-C10_HOST_DEVICE inline int64_t hist2d_axis_bin(acc_t x, const Hist2dAxis<acc_t>& a) {
-  x = x < a.clamp_lo ? a.clamp_lo : (x > a.clamp_hi ? a.clamp_hi : x);
-  const int64_t i = static_cast<int64_t>((x - a.lo) / a.width);
-  // Clamping to bin centres keeps i in range; the guard only matters for absurd bin counts.
-  return i < 0 ? 0 : (i >= a.bins ? a.bins - 1 : i);
+C10_HOST_DEVICE inline int32_t hist2d_axis_bin(acc_t x, const Hist2dAxis<acc_t>& a) {
+  const bool nan = is_nan(x);
+  acc_t clamped = x < a.clamp_lo ? a.clamp_lo : x;
+  clamped = clamped > a.clamp_hi ? a.clamp_hi : clamped;
+  clamped = nan ? a.clamp_lo : clamped;
+  const int32_t i = static_cast<int32_t>((clamped - a.lo) / a.width);
+  // Clamping to bin centres keeps i in range; the guard only matters for huge bin counts.
+  const int32_t bin = i < 0 ? 0 : (i >= a.bins ? a.bins - 1 : i);
+  return nan ? -1 : bin;
+}
+
+// Slot of a pair (x bin, y bin) in the row-major (xbins, ybins) histogram; `discard` (the slot
+// after the last cell) when either coordinate was NaN.
+C10_HOST_DEVICE inline int32_t hist2d_slot(int32_t x_bin, int32_t y_bin, int32_t ybins,
+                                           int32_t discard) {
+  return (x_bin < 0 || y_bin < 0) ? discard : x_bin * ybins + y_bin;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -107,42 +126,102 @@ C10_HOST_DEVICE inline void summary_init(Summary<acc_t>& s) {
   for (int i = 0; i < kMaxP; ++i) s.pow_sum[i] = 0;
 }
 
-template <typename acc_t>
-C10_HOST_DEVICE inline acc_t abs_pow(acc_t a, acc_t p) {
-  return p == acc_t(1) ? a : (p == acc_t(2) ? a * a : std::pow(a, p));
-}
+// Sums and extremes run over kLanes independent accumulators, combined in a fixed order: the
+// compiler can then vectorise them (it may not reorder one running sum), and results do not
+// depend on anything but the values.
+constexpr int kLanes = 8;
 
-// First pass over a run: everything but m2, which needs the run's mean. The sum is of x - shift
-// (a value of the run), so a large common offset does not swamp it.
-template <typename acc_t>
-C10_HOST_DEVICE inline void summary_add(Summary<acc_t>& s, acc_t x, const PValues<acc_t>& p,
-                                        acc_t shift, acc_t& shifted_sum) {
-  const acc_t a = std::abs(x);
-  s.count += 1;
-  shifted_sum += x - shift;
-  s.max = nan_max(s.max, x);
-  s.min = nan_min(s.min, x);
-  s.max_abs = nan_max(s.max_abs, a);
-  for (int i = 0; i < kMaxP; ++i) {
-    if (i < p.count) s.pow_sum[i] += abs_pow(a, p.p[i]);
+template <typename acc_t, typename Term>
+C10_HOST_DEVICE inline acc_t lane_sum(const acc_t* values, int64_t len, const Term& term) {
+  acc_t lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lanes[k] += term(values[i + k]);
   }
+  for (; i < len; ++i) lanes[0] += term(values[i]);
+  acc_t total = 0;
+  for (int k = 0; k < kLanes; ++k) total += lanes[k];
+  return total;
 }
 
-// Summary of values[0..len): first pass for everything but m2, second pass for m2 around the
-// run's mean (the run is in registers or cache, so the second pass costs no memory traffic).
+template <typename acc_t>
+struct ShiftedTerm {  // x - shift
+  acc_t shift;
+  C10_HOST_DEVICE acc_t operator()(acc_t x) const { return x - shift; }
+};
+
+template <typename acc_t>
+struct CentredSquareTerm {  // (x - mean)^2
+  acc_t mean;
+  C10_HOST_DEVICE acc_t operator()(acc_t x) const { return (x - mean) * (x - mean); }
+};
+
+template <typename acc_t>
+struct AbsTerm {
+  C10_HOST_DEVICE acc_t operator()(acc_t x) const { return x < 0 ? -x : x; }
+};
+
+template <typename acc_t>
+struct SquareTerm {
+  C10_HOST_DEVICE acc_t operator()(acc_t x) const { return x * x; }
+};
+
+template <typename acc_t>
+struct AbsPowTerm {  // |x|^p
+  acc_t p;
+  C10_HOST_DEVICE acc_t operator()(acc_t x) const { return std::pow(x < 0 ? -x : x, p); }
+};
+
+// sum |x|^p, choosing the loop outside it: p = 1 and p = 2 (the common norms) then vectorise
+// and skip pow.
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t pow_sum(const acc_t* values, int64_t len, acc_t p) {
+  if (p == acc_t(1)) return lane_sum(values, len, AbsTerm<acc_t>{});
+  if (p == acc_t(2)) return lane_sum(values, len, SquareTerm<acc_t>{});
+  return lane_sum(values, len, AbsPowTerm<acc_t>{p});
+}
+
+// Summary of values[0..len): one pass for the extremes, then the mean (summing x - values[0],
+// so that a large common offset does not swamp the sum), then the second moment around that
+// mean and one pass per p. The run is in registers or cache: no pass re-reads memory.
 template <typename acc_t>
 C10_HOST_DEVICE inline Summary<acc_t> summarize_values(const acc_t* values, int64_t len,
                                                        const PValues<acc_t>& p) {
   Summary<acc_t> s;
   summary_init(s);
-  // Shifting by an infinite value would turn every difference into NaN.
-  const acc_t shift = (len > 0 && values[0] - values[0] == 0) ? values[0] : acc_t(0);
-  acc_t shifted_sum = 0;
-  for (int64_t i = 0; i < len; ++i) summary_add(s, values[i], p, shift, shifted_sum);
-  if (len > 0) {
-    s.mean = shift + shifted_sum / s.count;
-    for (int64_t i = 0; i < len; ++i) s.m2 += (values[i] - s.mean) * (values[i] - s.mean);
+  if (len == 0) return s;
+  acc_t max[kLanes], min[kLanes], max_abs[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    max[k] = s.max;
+    min[k] = s.min;
+    max_abs[k] = 0;
   }
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const acc_t x = values[i + k];
+      max[k] = nan_max(max[k], x);
+      min[k] = nan_min(min[k], x);
+      max_abs[k] = nan_max(max_abs[k], x < 0 ? -x : x);
+    }
+  }
+  for (; i < len; ++i) {
+    const acc_t x = values[i];
+    max[0] = nan_max(max[0], x);
+    min[0] = nan_min(min[0], x);
+    max_abs[0] = nan_max(max_abs[0], x < 0 ? -x : x);
+  }
+  for (int k = 0; k < kLanes; ++k) {
+    s.max = nan_max(s.max, max[k]);
+    s.min = nan_min(s.min, min[k]);
+    s.max_abs = nan_max(s.max_abs, max_abs[k]);
+  }
+  s.count = static_cast<acc_t>(len);
+  // Shifting by an infinite value would turn every difference into NaN.
+  const acc_t shift = values[0] - values[0] == 0 ? values[0] : acc_t(0);
+  s.mean = shift + lane_sum(values, len, ShiftedTerm<acc_t>{shift}) / s.count;
+  s.m2 = lane_sum(values, len, CentredSquareTerm<acc_t>{s.mean});
+  for (int j = 0; j < p.count; ++j) s.pow_sum[j] = pow_sum(values, len, p.p[j]);
   return s;
 }
 

@@ -14,6 +14,10 @@ namespace cockpit_fast {
 // fixed-size state. Mirrored by MAX_P_VALUES in cockpit_fast/_validation.py.
 constexpr int kMaxP = 8;
 
+// Most cells one histogram may have: slots are int32, and float32 values cannot resolve more
+// bins than this anyway. Mirrored by MAX_BINS in cockpit_fast/_validation.py.
+constexpr int64_t kMaxBins = int64_t(1) << 24;
+
 inline void check_grad(const char* op, const at::Tensor& g, double scale) {
   TORCH_CHECK_VALUE(g.dim() >= 1, "cockpit_fast.", op,
                     ": g must have a leading batch dimension (N, *param_shape), got a ", g.dim(),
@@ -42,6 +46,11 @@ inline void check_companion(const char* op, const at::Tensor& g, const at::Tenso
 inline void check_bins(const char* op, int64_t bins, const char* axis) {
   TORCH_CHECK_VALUE(bins > 0, "cockpit_fast.", op, ": ", axis,
                     "bins must be a positive integer, got ", bins);
+}
+
+inline void check_cells(const char* op, int64_t cells) {
+  TORCH_CHECK_VALUE(cells <= kMaxBins, "cockpit_fast.", op, ": at most ", kMaxBins,
+                    " histogram cells, got ", cells);
 }
 
 inline void check_range(const char* op, double lo, double hi, const char* axis) {

@@ -37,6 +37,7 @@ inline Hist1dArgs hist1d_args(const at::Tensor& g, int64_t bins, double lo, doub
                               double scale) {
   check_grad("hist1d", g, scale);
   check_bins("hist1d", bins, "");
+  check_cells("hist1d", bins);
   check_range("hist1d", lo, hi, "");
   return {as_rows(g), at::zeros({bins}, g.options().dtype(at::kLong))};
 }
@@ -52,6 +53,9 @@ inline Hist2dArgs hist2d_args(const at::Tensor& g, const at::Tensor& param, int6
   check_companion("hist2d", g, param, "param");
   check_bins("hist2d", xbins, "x ");
   check_bins("hist2d", ybins, "y ");
+  check_cells("hist2d", xbins);
+  check_cells("hist2d", ybins);
+  check_cells("hist2d", xbins * ybins);  // both at most 2^24: the product cannot overflow
   check_range("hist2d", xlo, xhi, "x ");
   check_range("hist2d", ylo, yhi, "y ");
   return {as_rows(g), param.contiguous().view({-1}),
