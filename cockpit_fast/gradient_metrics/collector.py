@@ -1,0 +1,202 @@
+"""GradientMetricCollector: per-sample gradient metrics of a loss of shape (N,) in one pass.
+
+Same API and values as gradient-metrics 0.5.0, which runs one backward pass per sample. Here one
+batched backward pass gives every sample's gradients (:mod:`.per_sample`), one
+``cockpit_fast.ops.per_sample_stats`` call per (parameter, transform) serves every built-in metric,
+and the rows of a metric's parameters merge with ``cockpit_fast.stats.merge``.
+
+Slower routes remain for what the batched one cannot serve, each with a one-time warning:
+transforms that ``torch.vmap`` cannot batch run sample by sample; metrics whose class overrides
+how it collects get their per-sample gradients one sample at a time; and a batched backward pass
+that fails falls back to one backward pass per sample, as in the original.
+"""
+
+from collections import defaultdict
+
+import torch
+
+from cockpit_fast import stats as columns
+from cockpit_fast.gradient_metrics.metrics import GradientMetric
+from cockpit_fast.gradient_metrics.per_sample import (
+    PerSampleGrad,
+    per_sample_gradients,
+    per_sample_stats,
+    warn_once,
+)
+
+
+class GradientMetricCollector:
+    """Computes gradient metrics for every sample of a batch.
+
+    Args:
+        metrics: A :class:`GradientMetric` or a non-empty list of them.
+
+    Raises:
+        ValueError: If ``metrics`` is empty, not a metric, or holds something that is not a metric.
+    """
+
+    def __init__(self, metrics):
+        if isinstance(metrics, list):
+            for metric in metrics:
+                if not isinstance(metric, GradientMetric):
+                    raise ValueError(
+                        "'metrics' needs to be a list of 'GradientMetric' instances. "
+                        f"Found {metric.__class__.__name__}"
+                    )
+            if not metrics:
+                raise ValueError("List of metrics is empty!")
+        elif not isinstance(metrics, GradientMetric):
+            raise ValueError(
+                "'metrics' needs to be either a 'GradientMetric' instance or "
+                f"a list of 'GradientMetric' instances. Found '{type(metrics)}'"
+            )
+        self._metrics = [metrics] if isinstance(metrics, GradientMetric) else metrics
+        # Each target once; tensors hash by identity.
+        self._params = list(dict.fromkeys(p for m in self._metrics for p in m.target_parameters))
+
+    def __call__(self, loss, retain_graph=False):
+        """Gradient metrics of each sample's own loss.
+
+        Args:
+            loss: Per-sample losses, shape (N,).
+            retain_graph: Whether the graph of ``loss`` survives the call.
+
+        Returns:
+            torch.Tensor: Shape (N, dim): the values of every metric, in order, for each sample.
+
+        Raises:
+            ValueError: If ``loss`` does not require grad or is not 1-D.
+        """
+        if not loss.requires_grad:
+            raise ValueError("'loss' should require grad in order to extract gradient metrics.")
+        if len(loss.shape) != 1:
+            raise ValueError(f"'loss' should have shape [N,] but found {loss.shape}")
+        if loss.shape[0] == 0:
+            raise RuntimeError("'loss' holds no samples, so there are no per-sample metrics to stack")
+        self.reset()
+        try:
+            grads = per_sample_gradients(loss, self._params, retain_graph)
+        except RuntimeError as error:
+            warn_once(
+                "GradientMetricCollector: the batched backward pass failed "
+                f"({type(error).__name__}: {error}); running one backward pass per sample instead"
+            )
+            return self._one_backward_per_sample(loss, retain_graph)
+        batch_stats = _BatchStats(grads, [m for m in self._metrics if m._serves_batches()])
+        blocks = []
+        for metric in self._metrics:
+            if metric._serves_batches():
+                blocks.append(batch_stats.metric_rows(metric, loss.shape[0]))
+            else:
+                warn_once(
+                    f"GradientMetricCollector: {type(metric).__name__} overrides how it collects "
+                    "gradients and has no batched formula, so it is fed one sample at a time"
+                )
+                blocks.append(_feed_sample_by_sample(metric, grads, loss.shape[0]))
+        return torch.cat(blocks, dim=1)
+
+    def _one_backward_per_sample(self, loss, retain_graph):
+        """The original's loop: a backward pass and a metric update per sample."""
+        rows = []
+        for n, sample_loss in enumerate(loss):
+            last = n == loss.shape[0] - 1
+            grads = torch.autograd.grad(sample_loss, self._params, retain_graph=retain_graph or not last)
+            sample_grads = {id(p): g for p, g in zip(self._params, grads)}
+            rows.append(torch.cat([_read_one_sample(m, sample_grads) for m in self._metrics]))
+        return torch.stack(rows)
+
+    def reset(self):
+        """Resets every metric."""
+        for metric in self._metrics:
+            metric.reset()
+
+    @property
+    def data(self):
+        """The current values of all metrics, concatenated: shape (dim,)."""
+        return torch.cat([metric.data for metric in self._metrics])
+
+    @property
+    def dim(self):
+        """How many values each sample gets."""
+        return self.data.shape[0]
+
+
+def _read_one_sample(metric, sample_grads):
+    """Feeds a metric one sample's gradients (``id(param)`` to tensor); returns its values, reset."""
+    for param in metric.target_parameters:
+        metric(sample_grads[id(param)])
+    values = metric.data
+    metric.reset()
+    return values
+
+
+def _feed_sample_by_sample(metric, grads, n):
+    """Per-sample values of a metric that must see each sample's gradients itself."""
+    rows = []
+    for i in range(n):
+        sample_grads = {id(p): grads[id(p)].dense()[i] for p in metric.target_parameters}
+        rows.append(_read_one_sample(metric, sample_grads))
+    return torch.stack(rows)
+
+
+class _BatchStats:
+    """Stats rows of every (parameter, transform) pair the batched metrics read.
+
+    Each pair gets one ``per_sample_stats`` call (one per 8 p values) covering the p values of
+    every metric that reads it.
+
+    Args:
+        grads: ``id(param)`` to its :class:`PerSampleGrad`.
+        metrics: The metrics served from stats.
+    """
+
+    def __init__(self, grads, metrics):
+        self._grads = grads
+        self._p_values = defaultdict(dict)  # pair -> ordered set of p
+        for metric in metrics:
+            for param in metric.target_parameters:
+                self._p_values[self._pair(metric, param)].update(dict.fromkeys(metric._stats_p_values()))
+        self._rows = {}
+
+    @staticmethod
+    def _pair(metric, param):
+        # ids: comparing tensors with == would compare their values.
+        return id(param), id(metric.grad_transform)
+
+    def metric_rows(self, metric, n):
+        """The metric's values for every sample: shape (N, dim), in the original's dtype."""
+        if not metric.target_parameters:  # nothing to collect: the reset values, for every sample
+            return metric.data.expand(n, -1)
+        parts, dtype = [], torch.get_default_dtype()
+        for param in metric.target_parameters:
+            rows, count, grad_dtype = self._stats(metric, param)
+            p_columns = [columns.P0 + list(self._p_values[self._pair(metric, param)]).index(p)
+                         for p in metric._stats_p_values()]
+            parts.append((rows[:, list(range(columns.P0)) + p_columns], count))
+            dtype = torch.promote_types(dtype, grad_dtype)
+        merged, count = columns.merge(parts)
+        return metric._rows_from_stats(merged, count).to(dtype)
+
+    def _stats(self, metric, param):
+        """``(rows, values per sample, gradient dtype)`` of one pair, computed on first use."""
+        pair = self._pair(metric, param)
+        if pair not in self._rows:
+            grad = self._grads[id(param)]
+            if metric.grad_transform is not None:
+                grad = PerSampleGrad(dense=_transform_each(metric.grad_transform, grad.dense()))
+            rows = per_sample_stats(grad, list(self._p_values[pair]))
+            self._rows[pair] = (rows, grad.values_per_sample, grad.dtype)
+        return self._rows[pair]
+
+
+def _transform_each(transform, grads):
+    """``transform`` applied to each sample's gradient: batched with vmap, else one by one."""
+    try:
+        return torch.vmap(transform)(grads)
+    except Exception as error:  # vmap raises many kinds for what it cannot batch
+        name = getattr(transform, "__name__", type(transform).__name__)
+        warn_once(
+            f"GradientMetricCollector: grad_transform {name} cannot be batched with torch.vmap "
+            f"({type(error).__name__}: {error}); applying it one sample at a time"
+        )
+        return torch.stack([transform(g) for g in grads])

@@ -1,0 +1,401 @@
+"""cockpit_fast.gradient_metrics side by side with gradient-metrics 0.5.0, the package it stands in for."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cockpit_fast.gradient_metrics import GradientMetricCollector
+from cockpit_fast.gradient_metrics import metrics as fast
+from cockpit_fast.gradient_metrics import per_sample
+
+original = pytest.importorskip("gradient_metrics")
+from gradient_metrics import metrics as orig  # noqa: E402  (after the importorskip)
+
+DTYPES = [torch.float32, torch.float64]
+N = 12
+
+
+class CustomFunction(torch.autograd.Function):
+    """Doubles its input; its backward reads a Python number, which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (2.0 + 0.0 * grad.sum().item())
+
+
+class Setup:
+    """A model, its per-sample losses, and named targets for the metrics."""
+
+    def __init__(self, name, dtype, device="cpu", seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        labels = torch.randint(0, 4, (N,), generator=gen).to(device)
+
+        def randn(*shape, requires_grad=False):
+            t = torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+            return t.requires_grad_(requires_grad)
+
+        if name == "mlp":
+            self.model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4))
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[2].weight]}
+            forward = self.model
+            x = randn(N, 10)
+        elif name == "cnn":
+            self.model = nn.Sequential(
+                nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)
+            )
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[3].weight]}
+            forward = self.model
+            x = randn(N, 2, 6, 6)
+        elif name == "mixed":  # modules and raw tensors: a tensor that is no module's parameter
+            self.model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+            gain = randn(4, requires_grad=True)
+            self.targets = {"all": [self.model, gain], "first": [self.model[0].bias, gain],
+                            "last_weight": [self.model[2].weight]}
+
+            def forward(x):
+                return self.model(x) * gain
+
+            x = randn(N, 10)
+        elif name == "coupled":  # batch norm mixes the samples: per-sample gradients are dense
+            self.model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[3].weight]}
+            forward = self.model
+            x = randn(N, 10)
+        elif name == "batch_centred":  # samples interact between two Linear layers, no parameter
+            self.model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4))
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[2].weight]}
+
+            def forward(x):
+                hidden = self.model[1](self.model[0](x))
+                return self.model[2](hidden - hidden.mean(0))
+
+            x = randn(N, 10)
+        elif name == "sequence":  # a Linear layer over (N, T, features): no outer products
+            self.model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Flatten(), nn.Linear(15, 4))
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[3].weight]}
+            forward = self.model
+            x = randn(N, 3, 6)
+        elif name == "custom_function":  # the batched backward fails: one pass per sample
+            self.model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+            self.targets = {"all": [self.model], "first": [self.model[0]], "last_weight": [self.model[2].weight]}
+
+            def forward(x):
+                return CustomFunction.apply(self.model(x))
+
+            x = randn(N, 10)
+        self.model.to(device=device, dtype=dtype)
+        self.forward = lambda: nn.functional.cross_entropy(forward(x), labels, reduction="none")
+
+
+def make_metrics(module, mix, targets):
+    """The same metric list built from gradient-metrics (``orig``) or from cockpit_fast (``fast``).
+
+    Targets are lists, so that ``first + last`` spans both.
+    """
+    all_, first, last = targets["all"], targets["first"], targets["last_weight"]
+    if mix == "all_kinds":
+        return [module.Max(all_), module.Min(first), module.Mean(all_), module.MeanStd(all_),
+                module.PNorm(last, p=2)]
+    if mix == "pnorms":
+        return [module.PNorm(all_, p=p) for p in (1, 2, 3.5, float("inf"), "inf")] + [
+            module.PNorm(first, p=0.5), module.PNorm(first + last, p=3.5)]
+    if mix == "std_only":
+        return [module.MeanStd(first, return_mean=False), module.MeanStd(last, eps=1e-3),
+                module.MeanStd(all_ + last)]  # a parameter listed twice counts twice
+    if mix == "transforms":
+        return [module.Max(all_, grad_transform=torch.abs), module.PNorm(all_, grad_transform=torch.abs),
+                module.MeanStd(all_, grad_transform=normalised),
+                module.Min(first, grad_transform=centred), module.Mean(last, grad_transform=centred),
+                module.PNorm(first, grad_transform=normalised, p=3.5)]
+    raise AssertionError(mix)
+
+
+def normalised(g):
+    return g / g.norm()
+
+
+def centred(g):
+    return g - g.mean()
+
+
+def assert_matches(ours, theirs, dtype):
+    """Equal to rtol 1e-5; atol at the rounding of the values' scale (means of ~0 cancel)."""
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and ours.device == theirs.device
+    scale = theirs.abs().max().item()
+    atol = scale * (1e-6 if dtype == torch.float32 else 1e-13)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=atol)
+
+
+def run_both(setup_name, mix, dtype, device="cpu"):
+    """Outputs of the original and of cockpit_fast on the same fresh model, data and metrics."""
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup(setup_name, dtype, device)
+        collector = collector_class(make_metrics(module, mix, setup.targets))
+        outputs.append(collector(setup.forward()))
+    return outputs
+
+
+def fallback_warnings(caught):
+    return [str(w.message) for w in caught if "GradientMetricCollector" in str(w.message)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mix", ["all_kinds", "pnorms", "std_only", "transforms"])
+@pytest.mark.parametrize("setup_name", ["mlp", "cnn", "mixed", "coupled", "batch_centred", "sequence"])
+def test_same_values_as_gradient_metrics(setup_name, mix, dtype, monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs, ours = run_both(setup_name, mix, dtype)
+    assert fallback_warnings(caught) == []  # all served by the batched route
+    assert_matches(ours, theirs, dtype)
+
+
+def per_sample_reference(setup_name, params_of):
+    """Gradients of a few samples, one backward pass each, on a fresh copy of the same setup."""
+    setup = Setup(setup_name, torch.float64)
+    loss = setup.forward()
+    return {n: torch.autograd.grad(loss[n], params_of(setup.model), retain_graph=True) for n in (0, 5, N - 1)}
+
+
+@pytest.mark.parametrize(
+    "setup_name, linear_only, factored",
+    [
+        ("mlp", True, [True, True]),  # probes find independent samples
+        ("batch_centred", True, [False, True]),  # probes find interaction before layer 2
+        ("coupled", True, [False, True]),  # the same through batch norm
+        ("coupled", False, [False, True]),  # batch norm's parameters: the identity rows
+    ],
+)
+def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
+    def params_of(model):
+        layers = [m for m in model if isinstance(m, nn.Linear)] if linear_only else [model]
+        return [p for layer in layers for p in layer.parameters()]
+
+    setup = Setup(setup_name, torch.float64)
+    params = params_of(setup.model)
+    grads = per_sample.per_sample_gradients(setup.forward(), params, retain_graph=False)
+    weights = [m.weight for m in setup.model if isinstance(m, nn.Linear)]
+    assert [grads[id(w)].factors is not None for w in weights] == factored
+    for n, expected in per_sample_reference(setup_name, params_of).items():
+        for param, e in zip(params, expected):
+            torch.testing.assert_close(grads[id(param)].dense()[n], e, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_failing_batched_backward_falls_back_to_one_pass_per_sample(dtype, monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="batched backward pass failed"):
+        theirs, ours = run_both("custom_function", "all_kinds", dtype)
+    assert_matches(ours, theirs, dtype)
+
+
+def test_transform_vmap_cannot_batch_runs_sample_by_sample(monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+
+    def scaled_by_python_number(g):
+        return g / g.abs().max().item()
+
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float64)
+        metrics = [module.MeanStd(setup.model, grad_transform=scaled_by_python_number), module.Max(setup.model)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's notice: tested below
+            outputs.append(collector_class(metrics)(setup.forward()))
+    assert_matches(outputs[1], outputs[0], torch.float64)
+
+
+def test_transform_vmap_cannot_batch_warns_why(monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    setup = Setup("mlp", torch.float64)
+    metric = fast.Max(setup.model, grad_transform=lambda g: g / g.abs().max().item())
+    with pytest.warns(RuntimeWarning, match="cannot be batched with torch.vmap.*item"):
+        GradientMetricCollector(metric)(setup.forward())
+
+
+def custom_metric_class(base):
+    """A metric that counts entries above 0.01 and subclasses ``base``'s GradientMetric."""
+
+    class AboveThreshold(base.GradientMetric):
+        def __init__(self, target_layers, grad_transform=None):
+            super().__init__(target_layers, grad_transform)
+            self.reset()
+
+        def _collect(self, grad):
+            self._count = self._count + (grad > 0.01).sum()
+
+        def _get_metric(self):
+            return self._count.double()
+
+        def reset(self):
+            self._count = torch.tensor(0)
+
+    return AboveThreshold
+
+
+def max_of_abs_class(base):
+    """A Max that overrides _collect: the batched Max formula no longer applies."""
+
+    class MaxOfAbs(base.Max):
+        def _collect(self, grad):
+            super()._collect(grad.abs())
+
+    return MaxOfAbs
+
+
+def test_custom_metrics_fed_sample_by_sample(monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        metrics = [module.Max(setup.model), custom_metric_class(module)(setup.model),
+                   max_of_abs_class(module)(setup.model[0]), module.Mean(setup.model)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs.append(collector_class(metrics)(setup.forward()))
+    messages = fallback_warnings(caught)
+    assert len(messages) == 2 and all("one sample at a time" in m for m in messages)
+    assert_matches(outputs[1], outputs[0], torch.float32)
+
+
+def test_metrics_fed_one_gradient_at_a_time():
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(shape, generator=gen) for shape in ((4, 3), (7,), (1,))]
+    for name, kwargs in [("Max", {}), ("Min", {}), ("Mean", {}), ("MeanStd", {}),
+                         ("MeanStd", {"return_mean": False}), ("PNorm", {"p": 3.5}), ("PNorm", {"p": "inf"})]:
+        ours, theirs = getattr(fast, name)([], **kwargs), getattr(orig, name)([], **kwargs)
+        torch.testing.assert_close(ours.data, theirs.data)  # the reset values
+        for g in grads:
+            ours(g), theirs(g)
+            torch.testing.assert_close(ours.data, theirs.data, rtol=1e-5, atol=1e-7)
+        ours.reset()
+        torch.testing.assert_close(ours.data, getattr(orig, name)([], **kwargs).data)
+
+
+def test_data_dim_reset_and_targets_like_the_original():
+    setup = Setup("mixed", torch.float32)
+    mixes = [make_metrics(module, "all_kinds", setup.targets) for module in (orig, fast)]
+    theirs, ours = original.GradientMetricCollector(mixes[0]), GradientMetricCollector(mixes[1])
+    assert ours.dim == theirs.dim == 6
+    for a, b in zip(mixes[0], mixes[1]):
+        assert [id(p) for p in a.target_parameters] == [id(p) for p in b.target_parameters]
+        assert a.target_layers == b.target_layers
+    ours(setup.forward())
+    torch.testing.assert_close(ours.data, theirs.data)  # reset after the call
+    empty = [fast.Max([]), fast.MeanStd([]), fast.PNorm(setup.model[0])]
+    values = GradientMetricCollector(empty)(setup.forward())
+    assert values.shape == (N, 4)
+    assert (values[:, 0] == float("-inf")).all() and (values[:, 1] == 0).all()
+    assert (values[:, 2] == 1e-16).all()
+
+
+def test_output_dtype_follows_the_original():
+    theirs, ours = run_both("mlp", "all_kinds", torch.float64)
+    assert ours.dtype == theirs.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda m: m.PNorm([], p=0), ValueError),
+        (lambda m: m.PNorm([], p=-1.5), ValueError),
+        (lambda m: m.PNorm([], p="-inf"), ValueError),
+        (lambda m: m.PNorm([], p="one"), ValueError),
+        (lambda m: m.PNorm([], p=None), TypeError),
+        (lambda m: m.MeanStd([], eps=0), ValueError),
+        (lambda m: m.MeanStd([], eps=-1e-3), ValueError),
+    ],
+)
+def test_metric_errors_like_the_original(make, error):
+    for module in (orig, fast):
+        with pytest.raises(error):
+            make(module)
+
+
+def test_pnorm_message_like_the_original():
+    with pytest.raises(ValueError, match=r"interval \(0,inf\].*found 'nan'"):
+        fast.PNorm([], p=float("nan"))
+
+
+@pytest.mark.parametrize("metrics", [[], [1], "Max", [None], 3])
+def test_collector_rejects_what_the_original_rejects(metrics):
+    for collector_class in (original.GradientMetricCollector, GradientMetricCollector):
+        with pytest.raises(ValueError):
+            collector_class(metrics)
+
+
+@pytest.mark.parametrize("bad", ["no_grad", "two_dims", "scalar"])
+def test_call_rejects_bad_losses_like_the_original(bad):
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        loss = setup.forward()
+        loss = {"no_grad": loss.detach(), "two_dims": loss.reshape(3, 4), "scalar": loss.sum()}[bad]
+        with pytest.raises(ValueError, match="'loss' should"):
+            collector_class(module.Max(setup.model))(loss)
+
+
+def test_unused_target_raises_like_the_original(monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        unused = torch.randn(3, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="not have been used in the graph"):
+                collector_class(module.Max([setup.model, unused]))(setup.forward())
+
+
+def test_base_metric_is_abstract_like_the_original():
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        with pytest.raises(NotImplementedError):
+            collector_class(module.GradientMetric(setup.model))(setup.forward())
+
+
+def test_retain_graph_and_grad_fields():
+    setup = Setup("mlp", torch.float32)
+    sentinel = [torch.full_like(p, 7.0) for p in setup.model.parameters()]
+    for p, s in zip(setup.model.parameters(), sentinel):
+        p.grad = s.clone()
+    setup.model[0].bias.grad = None
+    collector = GradientMetricCollector(make_metrics(fast, "all_kinds", setup.targets))
+    loss = setup.forward()
+    collector(loss, retain_graph=True)
+    collector(loss, retain_graph=True)  # the graph is still there
+    assert setup.model[0].bias.grad is None
+    for name, p in setup.model.named_parameters():
+        if name != "0.bias":
+            assert torch.equal(p.grad, sentinel[list(dict(setup.model.named_parameters())).index(name)])
+    loss.sum().backward()  # and so is it for the user
+    assert setup.model[0].bias.grad is not None
+
+    setup = Setup("mlp", torch.float32)
+    loss = setup.forward()
+    GradientMetricCollector(make_metrics(fast, "all_kinds", setup.targets))(loss)
+    # retain_graph=False frees it, like the original
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.sum().backward()
+
+
+def test_hooks_are_left_alone():
+    setup = Setup("mlp", torch.float32)
+    hooks = [dict(m._forward_hooks) | dict(m._backward_hooks) for m in setup.model.modules()]
+    GradientMetricCollector(make_metrics(fast, "all_kinds", setup.targets))(setup.forward())
+    assert hooks == [dict(m._forward_hooks) | dict(m._backward_hooks) for m in setup.model.modules()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("setup_name", ["mlp", "cnn", "mixed"])
+def test_cuda_same_values_as_gradient_metrics(setup_name):
+    theirs, ours = run_both(setup_name, "all_kinds", torch.float32, device="cuda")
+    assert ours.is_cuda
+    assert_matches(ours, theirs, torch.float32)
