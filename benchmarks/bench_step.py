@@ -1,0 +1,173 @@
+"""Time of one training step: plain, under Cockpit 1.0.2, and under cockpit_fast, side by side.
+
+For every quantity alone and for the ``economy`` configuration, on an MLP 784-256-10 (N=128)
+and a small CNN (N=64). A timed run is ``--steps`` steps plus the final ``get_output()``
+(cockpit_fast converts results there, Cockpit during the step), divided by the steps; each
+variant's best of ``--repeats`` runs is reported, the three variants interleaved so that a
+change in machine load hits them alike.
+
+Usage: ``python benchmarks/bench_step.py [--quick] [--model mlp|cnn] [--only NAME ...]``
+"""
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from backpack import extend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+import cockpit_fast  # noqa: E402
+from cockpit_fast import quantities as fast_quantities  # noqa: E402
+from cockpit_fast.cockpit import Cockpit as FastCockpit  # noqa: E402
+from cockpit_fast.utils import configuration as fast_configuration  # noqa: E402
+from cockpit_fast.utils import schedules as fast_schedules  # noqa: E402
+
+# Cheapest first; HessMaxEV is left out (power iteration dominates and is the same in both).
+CASES = [
+    "Loss",
+    "GradNorm",
+    "Distance",
+    "UpdateSize",
+    "MeanGSNR",
+    "NormTest",
+    "InnerTest",
+    "OrthoTest",
+    "CABS",
+    "EarlyStopping",
+    "GradHist1d",
+    "GradHist2d",
+    "Alpha",
+    "HessTrace",
+    "TICDiag",
+    "economy",
+]
+
+
+def build(model_name):
+    """Model, input shape and batch size of a benchmark problem."""
+    if model_name == "mlp":
+        model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+        )
+        return model, (1, 28, 28), 128
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, 10),
+    )
+    return model, (3, 32, 32), 64
+
+
+def make_quantities(case, quantities, configuration, schedules):
+    """The quantities of ``case`` from one package, tracked every step."""
+    every = schedules.linear(1)
+    if case == "economy":
+        return configuration.configuration("economy", track_schedule=every)
+    if case in ("HessTrace", "TICDiag"):  # the cheap curvature, as one would track it often
+        return [getattr(quantities, case)(every, curvature="diag_ggn_mc")]
+    return [getattr(quantities, case)(every)]
+
+
+def time_run(model_name, cockpit_factory, steps, seed=0):
+    """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
+    torch.manual_seed(seed)
+    model, input_shape, n = build(model_name)
+    model = extend(model)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cockpit = cockpit_factory(model.parameters()) if cockpit_factory else None
+    data = torch.Generator().manual_seed(seed)
+    batches = [
+        (torch.randn(n, *input_shape, generator=data), torch.randint(0, 10, (n,), generator=data)) for _ in range(4)
+    ]
+
+    def step(i):
+        inputs, labels = batches[i % len(batches)]
+        opt.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, labels)
+        if cockpit is None:
+            loss.backward()
+        else:
+            info = {
+                "batch_size": n,
+                "individual_losses": individual_loss_fn(outputs, labels),
+                "loss": loss,
+                "optimizer": opt,
+            }
+            with cockpit(i, info=info):
+                loss.backward(create_graph=cockpit.create_graph(i))
+        opt.step()
+
+    step(0)  # warm-up: allocations, first-call costs, Distance's reference copy
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    if cockpit is not None:
+        cockpit.get_output()
+    return (time.perf_counter() - start) / steps
+
+
+def best_times(repeats, model_name, factories, steps):
+    """Best seconds per step of each cockpit factory (None: plain), runs interleaved."""
+    times = [float("inf")] * len(factories)
+    for _ in range(repeats):
+        for i, factory in enumerate(factories):
+            times[i] = min(times[i], time_run(model_name, factory, steps))
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--model", choices=["mlp", "cnn"], action="append", help="problem(s); default both")
+    parser.add_argument("--only", nargs="+", choices=CASES, help="cases to run; default all")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    steps = args.steps or (3 if args.quick else 10)
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    import cockpit
+    from cockpit.utils import configuration as ref_configuration
+    from cockpit.utils import schedules as ref_schedules
+
+    ref_modules, fast_modules = (ref_configuration, ref_schedules), (fast_configuration, fast_schedules)
+    warnings.simplefilter("ignore")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused ops: {cockpit_fast.has_extension()}")
+    print(f"{steps} steps per run, best of {repeats}; ms per training step\n")
+    header = (
+        f"{'model':5} {'case':14} {'plain':>8} {'cockpit':>9} {'fast':>8}"
+        f" {'cockpit/plain':>14} {'fast/plain':>11} {'speed-up':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for model_name in args.model or ["mlp", "cnn"]:
+        for case in args.only or CASES:
+            plain, reference, fast = best_times(
+                repeats,
+                model_name,
+                [
+                    None,
+                    lambda p: cockpit.Cockpit(p, make_quantities(case, cockpit.quantities, *ref_modules)),
+                    lambda p: FastCockpit(p, make_quantities(case, fast_quantities, *fast_modules)),
+                ],
+                steps,
+            )
+            print(
+                f"{model_name:5} {case:14} {1e3 * plain:8.2f} {1e3 * reference:9.2f} {1e3 * fast:8.2f}"
+                f" {reference / plain:14.2f} {fast / plain:11.2f} {reference / fast:8.2f}x",
+                flush=True,
+            )
+
+if __name__ == "__main__":
+    main()

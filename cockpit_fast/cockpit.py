@@ -1,0 +1,194 @@
+"""``Cockpit``: tracks quantities during training, a drop-in for ``cockpit.Cockpit`` 1.0.2."""
+
+import os
+from collections import defaultdict
+
+import json_tricks
+from backpack import backpack, disable
+from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.extensions.backprop_extension import BackpropExtension
+
+from cockpit_fast._step import STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
+from cockpit_fast.quantities.quantity import Quantity
+
+_LOG_KEYS = (
+    "epoch_count",
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
+
+
+class Cockpit:
+    """Tracks quantities of a model's parameters during training.
+
+    Use ``with cockpit(global_step, *extensions, info={...}): loss.backward(...)`` on the steps
+    to track; results are read with :meth:`get_output` and written with :meth:`write`.
+
+    Args:
+        params (iterable): Parameters to track; each must require gradients.
+        quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.Quantity`
+            instances to track. Defaults to none.
+
+    Raises:
+        ValueError: If a parameter does not require gradients.
+    """
+
+    BACKPACK_CONV_SAVE_MEMORY = True
+    """Let BackPACK use its memory-saving Jacobian products for convolution weights."""
+
+    def __init__(self, params, quantities=None):
+        self.params = list(params)
+        for p in self.params:
+            if not p.requires_grad:
+                raise ValueError(f"Got a parameter with requires_grad=False, which cannot be tracked: {p}")
+        self.quantities = []
+        for q in quantities or []:
+            self.add(q)
+        self.output = defaultdict(dict)
+
+    def add(self, quantity):
+        """Track ``quantity`` too.
+
+        Raises:
+            ValueError: If ``quantity`` is not a :class:`Quantity` instance.
+        """
+        if not isinstance(quantity, Quantity):
+            raise ValueError(f"Quantities must be instances of cockpit_fast Quantity, got {quantity!r}")
+        self.quantities.append(quantity)
+
+    def create_graph(self, global_step):
+        """Whether ``loss.backward`` must keep the graph at ``global_step``."""
+        return any(q.create_graph(global_step) for q in self.quantities)
+
+    def __call__(self, global_step, *exts, info=None, debug=False):
+        """Context for the backward pass of ``global_step``; tracks the quantities on exit.
+
+        Args:
+            global_step (int): Current iteration.
+            *exts: The user's own BackPACK extensions, computed on top; their results are kept.
+            info (dict, optional): What quantities need besides the backward pass:
+                ``batch_size``, ``individual_losses``, ``loss``, ``optimizer``.
+            debug (bool, optional): Print what the step computes. Defaults to ``False``.
+        """
+        for ext in exts:
+            if not isinstance(ext, BackpropExtension):
+                raise ValueError(f"*exts must be BackPACK extensions, got {ext!r}")
+        info = {} if info is None else info
+        if "optimizer" in info:
+            self._optimizer_name = type(info["optimizer"]).__name__
+        return _TrackedBackward(self, StepContext(global_step, self.params, info), exts, debug)
+
+    def _track(self, ctx, buffers):
+        """Let every quantity track ``ctx``; free ``buffers`` before those that need a clean graph."""
+        late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
+        for q in self.quantities:
+            if not q.RUNS_AFTER_CLEANUP:
+                q.track(ctx)
+        self._free(buffers)
+        with disable():
+            for q in late:
+                q.track(ctx)
+
+    def _free(self, buffers):
+        """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters."""
+        for p in self.params:
+            for name in buffers:
+                if hasattr(p, name):
+                    delattr(p, name)
+
+    def log(
+        self,
+        global_step,
+        epoch_count,
+        train_loss,
+        valid_loss,
+        test_loss,
+        train_accuracy,
+        valid_accuracy,
+        test_accuracy,
+        learning_rate,
+    ):
+        """Record per-epoch metrics under ``global_step``, next to the tracked quantities."""
+        values = (
+            epoch_count,
+            train_loss,
+            valid_loss,
+            test_loss,
+            train_accuracy,
+            valid_accuracy,
+            test_accuracy,
+            learning_rate,
+        )
+        self.output[global_step].update(zip(_LOG_KEYS, values))
+
+    def get_output(self):
+        """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded."""
+        for q in self.quantities:
+            name = type(q).__name__
+            for step, value in q.get_output().items():
+                self.output[step][name] = value
+        return self.output
+
+    def write(self, logpath):
+        """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads."""
+        path = logpath + ".json"
+        print(f"[cockpit] writing output to {path}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as file:
+            json_tricks.dump(self.get_output(), file, indent=4, sort_keys=True)
+
+
+class _TrackedBackward:
+    """Runs one backward pass under BackPACK with the step's hook, then tracks the quantities."""
+
+    def __init__(self, cockpit, ctx, user_exts, debug):
+        self._cockpit = cockpit
+        self._ctx = ctx
+        step = ctx.global_step
+        for q in cockpit.quantities:
+            ctx.requests.update(q.statistics(ctx))
+        extensions = _unique_by_type(
+            [
+                *user_exts,
+                *extensions_for(ctx.requests, user_exts),
+                *(e for q in cockpit.quantities for e in q.extensions(step)),
+            ]
+        )
+        kept = {e.savefield for e in user_exts}
+        # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.
+        self._buffers = {e.savefield for e in extensions} - kept
+        hook = StatisticsHook(ctx, self._buffers & STATISTIC_SOURCES) if ctx.requests else None
+        if extensions:
+            self._contexts = (
+                backpack(*extensions, extension_hook=hook, debug=debug),
+                weight_jac_t_save_memory(save_memory=cockpit.BACKPACK_CONV_SAVE_MEMORY),
+            )
+        else:
+            self._contexts = (disable(),)
+        if debug:
+            print(f"[DEBUG, step {step}] statistics: {ctx.requests}, extensions: {extensions}, kept: {kept}")
+
+    def __enter__(self):
+        for context in self._contexts:
+            context.__enter__()
+
+    def __exit__(self, exc_type, exc, traceback):
+        for context in reversed(self._contexts):
+            context.__exit__(exc_type, exc, traceback)
+        if exc_type is None:
+            self._cockpit._track(self._ctx, self._buffers)
+        else:
+            self._cockpit._free(self._buffers)
+
+
+def _unique_by_type(extensions):
+    """First extension of each type (two of one type would write the same savefield)."""
+    seen = {}
+    for ext in extensions:
+        seen.setdefault(type(ext), ext)
+    return list(seen.values())

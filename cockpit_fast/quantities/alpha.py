@@ -1,0 +1,179 @@
+"""Normalized step length α from a noise-aware quadratic fit along the update."""
+
+import warnings
+
+import numpy as np
+import torch
+
+from cockpit_fast import ops
+from cockpit_fast._step import GRAD_BATCH, Projection
+from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
+from cockpit_fast.quantities.quantity import Deferred, Quantity, StepCache
+
+
+class Alpha(Quantity):
+    """Tracks α, where the step from t to t + 1 lands on a quadratic fitted along it, under step t.
+
+    The fit uses loss values, projected gradients and their sample variances at both ends.
+    α = 0 means the step reached the minimum of the fit, -1 that it stayed where it started
+    (or the fit is concave), 1 that it overshot to the same height. None when the fit failed.
+
+    For SGD without momentum the update is known in the backward pass, so the individual
+    gradients are projected on it right there and nothing big is kept. For other optimizers
+    (or none handed in via ``info['optimizer']``, which warns) the parameters and individual
+    gradients of step t are kept until step t + 1 reveals the update. Needs ``info`` entries
+    ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
+    """
+
+    SAVE_SHIFT = 1
+
+    def __init__(self, track_schedule, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._starts = StepCache()
+
+    def is_start(self, global_step):
+        """Whether ``global_step`` starts a step whose α is tracked."""
+        return self._track_schedule(global_step)
+
+    def is_end(self, global_step):
+        """Whether ``global_step`` ends a step whose α is tracked."""
+        return self._track_schedule(global_step - self.SAVE_SHIFT)
+
+    def should_compute(self, global_step):
+        return self.is_start(global_step) or self.is_end(global_step)
+
+    def statistics(self, ctx):
+        step = ctx.global_step
+        wanted = set()
+        start = self._starts.get(step - self.SAVE_SHIFT) if self.is_end(step) else None
+        if start is not None and start.observation is not None:
+            wanted.add(Projection(self, "end", start.direction))
+        if self.is_start(step):
+            start = _StartPoint(self._sgd_learning_rates(ctx))
+            self._starts.put(step, start)
+            wanted.add(Projection(self, "start", start.sgd_direction) if start.sgd else GRAD_BATCH)
+        return wanted
+
+    def _sgd_learning_rates(self, ctx):
+        """Per-parameter learning rates if the update is plain SGD's, else None."""
+        if not ctx.has_info("optimizer"):
+            warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
+            return None
+        optimizer = ctx.info("optimizer", self)
+        return learning_rates(optimizer) if is_plain_sgd(optimizer) else None
+
+    def track(self, ctx):
+        step = ctx.global_step
+        if self.is_end(step):
+            start = self._starts.pop(step - self.SAVE_SHIFT)
+            if start is not None and start.observation is not None:  # else its step failed
+                self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
+        self._starts.drop_before(step)
+        if self.is_start(step):
+            self._starts.get(step).observe(ctx, self)
+
+    def _fit(self, ctx, start):
+        directions = [start.directions[i] for i in range(len(ctx.params))]
+        update_size = torch.sqrt(sum((d**2).sum() for d in directions))
+        if not start.sgd:  # the update is known only now
+            start.observation.dots = sum(ops.batch_dot(g, d) for g, d in zip(start.grad_batch, directions))
+        end = _Observation(ctx, self, ctx.summed(Projection(self, "end", start.direction)))
+        observations = [start.observation, end]
+        dfs, var_dfs = zip(*(o.projected_gradient(update_size) for o in observations))
+        return Deferred(
+            _alpha,
+            update_size,
+            [o.loss for o in observations],
+            list(dfs),
+            [o.loss_variance for o in observations],
+            list(var_dfs),
+        )
+
+
+class _Observation:
+    """Loss, its sample variance and the individual gradients' dot products with the update."""
+
+    def __init__(self, ctx, quantity, dots):
+        self.loss = ctx.loss(quantity)
+        self.loss_variance = ctx.info("individual_losses", quantity).detach().var()
+        self.batch_size = ctx.info("batch_size", quantity)
+        self.dots = dots  # <grad_batch_n, update>, i.e. <∇ℓ_n, update> / N
+
+    def projected_gradient(self, update_size):
+        """Mean and sample variance of the individual gradients projected on the update."""
+        projections = self.batch_size * self.dots / update_size
+        return projections.mean(), projections.var()
+
+
+class _StartPoint:
+    """What the start of a step keeps until its end; how depends on the optimizer.
+
+    Args:
+        sgd_learning_rates (dict or None): Per-parameter learning rates of plain SGD, whose
+            update is known in the backward pass; None to keep parameters and ``grad_batch``.
+    """
+
+    def __init__(self, sgd_learning_rates):
+        self.sgd = sgd_learning_rates is not None
+        self._learning_rates = sgd_learning_rates
+        self.directions = {}
+        self.observation = None  # set once the start step is tracked
+        self.params = None
+        self.grad_batch = None
+
+    def sgd_direction(self, hot):
+        """Plain SGD's update of one parameter, from its gradient in the start's hook."""
+        self.directions[hot.index] = -self._learning_rates[id(hot.param)] * hot.grad
+        return self.directions[hot.index]
+
+    def direction(self, hot):
+        """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
+        if not self.sgd:
+            self.directions[hot.index] = hot.param.detach() - self.params[hot.index]
+        return self.directions[hot.index]
+
+    def observe(self, ctx, quantity):
+        """Take the start's loss information and, without SGD, what to project at the end."""
+        dots = ctx.summed(Projection(quantity, "start", self.sgd_direction)) if self.sgd else None
+        self.observation = _Observation(ctx, quantity, dots)
+        if not self.sgd:
+            self.params = [p.detach().clone() for p in ctx.params]
+            self.grad_batch = ctx.per_param(GRAD_BATCH)
+
+
+def _alpha(update_size, losses, projected_gradients, loss_variances, gradient_variances):
+    """α from the fitted quadratic, with -1 for concave fits or a zero step, None if it failed."""
+    mu = _fit_quadratic(update_size, losses, projected_gradients, loss_variances, gradient_variances)
+    if mu is None:
+        return -1 if update_size == 0.0 else None
+    if mu[2] < 0:
+        return -1
+    # The fit's far point at equal height is at -mu1/mu2; rescale so the minimum is 0 and it is 1.
+    return 2 * update_size / (-mu[1] / mu[2]) - 1
+
+
+def _fit_quadratic(t, fs, dfs, fs_var, dfs_var):
+    """Maximum-likelihood quadratic w0 + w1 x + w2 x² from values and slopes at 0 and t.
+
+    Observations are weighted by their inverse variances; zero variances become 1e-10.
+    Returns None (and warns) if the system is singular.
+    """
+    tiny = 1e-10
+    if 0 in fs_var:
+        warnings.warn("The variance of f is 0, using a small value instead.", stacklevel=3)
+        fs_var = [tiny if v == 0 else v for v in fs_var]
+    if 0 in dfs_var:
+        warnings.warn("The variance of df is 0, using a small value instead.", stacklevel=3)
+        dfs_var = [tiny if v == 0 else v for v in dfs_var]
+    if t == 0.0:
+        warnings.warn("The two observations were (almost) at the same point.", stacklevel=3)
+    # Rows: f(0), f(t), f'(0), f'(t) as linear functions of (w0, w1, w2).
+    design = np.array([[1, 0, 0], [1, t, t**2], [0, 1, 0], [0, 1, 2 * t]])
+    precision = np.diag(1.0 / np.array(fs_var + dfs_var))
+    observed = np.array(fs + dfs)
+    try:
+        normal = design.T @ precision @ design
+        return np.linalg.inv(normal) @ design.T @ precision @ observed
+    except np.linalg.LinAlgError:
+        warnings.warn("Couldn't compute a quadratic fit due to Singular matrix, returning None", stacklevel=3)
+        return None

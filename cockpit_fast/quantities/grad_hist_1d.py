@@ -1,0 +1,50 @@
+"""Histogram of individual gradient elements."""
+
+import torch
+
+from cockpit_fast._step import Hist1d
+from cockpit_fast.quantities.bin_adaptation import NoAdaptation
+from cockpit_fast.quantities.quantity import Quantity
+
+
+class GradHist1d(Quantity):
+    """Tracks a histogram of all individual gradient elements, outliers clamped into the range.
+
+    The value is ``{"hist": counts (bins,), "edges": bin edges (bins + 1,)}``, summed over
+    parameters.
+
+    Args:
+        track_schedule (callable): When to track.
+        verbose (bool, optional): Print what is tracked. Defaults to ``False``.
+        bins (int, optional): Number of bins. Defaults to 100.
+        range ((float, float), optional): Bin range. Defaults to ``(-2, 2)``.
+        adapt (BinAdaptation, optional): How the range moves between steps. Defaults to none.
+    """
+
+    def __init__(self, track_schedule, verbose=False, bins=100, range=(-2, 2), adapt=None):
+        super().__init__(track_schedule, verbose=verbose)
+        self._bins = bins
+        self._range = tuple(range)
+        self._adapt = NoAdaptation(verbose=verbose) if adapt is None else adapt
+
+    def _histogram(self):
+        return Hist1d(self._bins, self._range)
+
+    def statistics(self, ctx):
+        step = ctx.global_step
+        wanted = {self._histogram()} if self.should_compute(step) else set()
+        return wanted | self._adapt.statistics(step)
+
+    def extensions(self, global_step):
+        return self._adapt.extensions(global_step)
+
+    def track(self, ctx):
+        super().track(ctx)
+        if self._adapt.should_compute(ctx.global_step):
+            self._range = tuple(self._adapt.new_range(ctx, self._range))
+
+    def _compute(self, ctx):
+        hist = ctx.summed(self._histogram())
+        start, end = self._range
+        edges = torch.linspace(start, end, self._bins + 1, device=hist.device)
+        return {"hist": hist, "edges": edges}

@@ -1,0 +1,12 @@
+"""Norm of the mini-batch gradient."""
+
+import torch
+
+from cockpit_fast.quantities.quantity import Quantity
+
+
+class GradNorm(Quantity):
+    """Tracks the ℓ₂ norm of each parameter's mini-batch gradient (a list, one per parameter)."""
+
+    def _compute(self, ctx):
+        return [torch.linalg.vector_norm(g) for g in ctx.grads()]

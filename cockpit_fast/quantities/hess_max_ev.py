@@ -1,0 +1,80 @@
+"""Largest Hessian eigenvalue."""
+
+import warnings
+
+import numpy as np
+import torch
+
+from cockpit_fast.quantities.quantity import Quantity
+
+
+class HessMaxEV(Quantity):
+    """Tracks the largest eigenvalue of the loss Hessian, by power iteration on Hessian-vector
+    products (needs ``loss.backward(create_graph=cockpit.create_graph(step))``).
+
+    Args:
+        track_schedule (callable): When to track.
+        verbose (bool, optional): Print what is tracked. Defaults to ``False``.
+        use_power (bool, optional): Power iteration on the device (default); else SciPy's
+            Lanczos ``eigsh`` through host transfers.
+    """
+
+    RUNS_AFTER_CLEANUP = True
+    MAX_ITERATIONS = 100
+    RTOL = 1e-3
+    ATOL = 1e-6
+
+    def __init__(self, track_schedule, verbose=False, use_power=True):
+        super().__init__(track_schedule, verbose=verbose)
+        self._use_power = use_power
+
+    def create_graph(self, global_step):
+        return self.should_compute(global_step)
+
+    def _compute(self, ctx):
+        grads = [p.grad for p in ctx.params]
+        if any(g is None or g.grad_fn is None for g in grads):
+            raise RuntimeError("HessMaxEV needs loss.backward(create_graph=cockpit.create_graph(global_step))")
+
+        def hvp(vectors):
+            return torch.autograd.grad(grads, ctx.params, grad_outputs=vectors, retain_graph=True)
+
+        if self._use_power:
+            return np.float64(self._power_iteration(hvp, ctx.params).item())
+        return np.float64(self._lanczos(hvp, ctx.params))
+
+    def _power_iteration(self, hvp, params):
+        """Largest eigenvalue from a random start; warns if it has not converged."""
+
+        def normalized(vectors):
+            norm = torch.sqrt(sum((v**2).sum() for v in vectors))
+            return [v / norm for v in vectors]
+
+        vectors = normalized([torch.rand_like(p) for p in params])
+        eigenvalue = torch.tensor([float("inf")], device=params[0].device)
+        for _ in range(self.MAX_ITERATIONS):
+            products = hvp(vectors)
+            estimate = sum((v * hv).sum() for v, hv in zip(vectors, products))
+            vectors = normalized([hv.detach() for hv in products])
+            if torch.allclose(eigenvalue, estimate, rtol=self.RTOL, atol=self.ATOL):
+                return estimate
+            eigenvalue = estimate
+        warnings.warn(f"Exceeded maximum number of {self.MAX_ITERATIONS} iterations")
+        return eigenvalue
+
+    @staticmethod
+    def _lanczos(hvp, params):
+        from scipy.sparse.linalg import LinearOperator, eigsh
+
+        shapes = [p.shape for p in params]
+        sizes = [p.numel() for p in params]
+        device = params[0].device
+
+        def matvec(vector):
+            chunks = torch.from_numpy(vector).to(device).split(sizes)
+            products = hvp([c.reshape(s).to(p.dtype) for c, s, p in zip(chunks, shapes, params)])
+            return torch.cat([hv.detach().flatten() for hv in products]).cpu().numpy()
+
+        dim = sum(sizes)
+        operator = LinearOperator((dim, dim), matvec=matvec, dtype=np.float32)
+        return eigsh(operator, k=1, which="LA", return_eigenvectors=False)[0]

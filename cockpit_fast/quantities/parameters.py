@@ -1,0 +1,14 @@
+"""The parameter values."""
+
+from cockpit_fast.quantities.quantity import Quantity
+
+
+class Parameters(Quantity):
+    """Tracks the values of every parameter, as nested lists (one per parameter)."""
+
+    def _compute(self, ctx):
+        # Host copies: a long run must not pile parameter snapshots up in device memory.
+        return [p.detach().to("cpu", copy=True) for p in ctx.params]
+
+    def _convert(self, value):
+        return [p.tolist() for p in value]

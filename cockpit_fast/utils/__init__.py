@@ -1,0 +1,1 @@
+"""Schedules and preset configurations for :class:`cockpit_fast.cockpit.Cockpit`."""

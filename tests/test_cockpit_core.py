@@ -1,0 +1,255 @@
+"""cockpit_fast's Cockpit against Cockpit 1.0.2: the class, its context, schedules, byproducts.
+
+Also home of the side-by-side harness the other ``test_cockpit_*`` files import: the same model,
+data and seed trained twice, once under each Cockpit, and the outputs compared.
+"""
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from backpack import extend
+from backpack.extensions import BatchGrad
+
+from cockpit_fast import quantities as fast_quantities
+from cockpit_fast.cockpit import Cockpit as FastCockpit
+from cockpit_fast.utils import schedules as fast_schedules
+
+cockpit = pytest.importorskip("cockpit")
+ref_schedules = pytest.importorskip("cockpit.utils.schedules")
+
+BATCH_SIZE = 8
+MODELS = ["mlp", "cnn", "sequence"]
+
+
+def build_model(name):
+    """A small model whose Linear layers see (N, in), conv + pooling, or (N, T, in) inputs."""
+    if name == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
+        input_shape = (10,)
+    elif name == "cnn":
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(2, 3, 3),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(3 * 3 * 3, 4),
+        )
+        input_shape = (2, 8, 8)
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), torch.nn.Sigmoid(), torch.nn.Linear(5, 3), torch.nn.Flatten(), torch.nn.Linear(12, 4)
+        )
+        input_shape = (4, 6)
+    return model, input_shape
+
+
+def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", seed=0, drop_info=()):
+    """Train ``steps`` steps under a cockpit; return its output (and the cockpit)."""
+    torch.manual_seed(seed)
+    model, input_shape = build_model(model_name)
+    model = extend(model)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif optimizer == "momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cp = cockpit_cls(model.parameters(), quantities=make_quantities())
+    data = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        inputs = torch.randn(BATCH_SIZE, *input_shape, generator=data)
+        labels = torch.randint(0, 4, (BATCH_SIZE,), generator=data)
+        opt.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, labels)
+        info = {
+            "batch_size": BATCH_SIZE,
+            "individual_losses": individual_loss_fn(outputs, labels),
+            "loss": loss,
+            "optimizer": opt,
+        }
+        for name in drop_info:
+            info.pop(name)
+        with cp(step, info=info):
+            loss.backward(create_graph=cp.create_graph(step))
+        opt.step()
+    return cp.get_output(), cp
+
+
+def side_by_side(make, model_name, steps=3, optimizer="sgd", seed=0):
+    """Outputs of Cockpit 1.0.2 and cockpit_fast for ``make(quantities_module, schedules_module)``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, _ = train(
+            cockpit.Cockpit, lambda: make(cockpit.quantities, ref_schedules), model_name, steps, optimizer, seed
+        )
+        actual, _ = train(
+            FastCockpit, lambda: make(fast_quantities, fast_schedules), model_name, steps, optimizer, seed
+        )
+    return expected, actual
+
+
+def assert_same_output(actual, expected, rtol=1e-4, atol=1e-6, max_count_diff=0, path="output"):
+    """Same structure and types; floats to tolerance; integer-valued arrays within a count budget."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), path
+        assert set(actual) == set(expected), f"{path}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            assert_same_output(actual[key], expected[key], rtol, atol, max_count_diff, f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_output(a, e, rtol, atol, max_count_diff, f"{path}[{i}]")
+    elif isinstance(expected, np.ndarray):
+        assert isinstance(actual, np.ndarray), f"{path}: {type(actual)}"
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, path
+        if path.endswith("['hist']"):
+            assert actual.sum() == expected.sum(), path
+            assert np.abs(actual - expected).sum() <= 2 * max_count_diff, f"{path}: counts differ"
+        else:
+            np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=path)
+    elif expected is None:
+        assert actual is None, path
+    else:
+        assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+        assert math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol), f"{path}: {actual} != {expected}"
+
+
+def one(name, **kwargs):
+    """A factory of the single quantity ``name``, tracked every step."""
+    return lambda q, s: [getattr(q, name)(track_schedule=s.linear(1), **kwargs)]
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("name", ["Loss", "Parameters", "GradNorm", "Distance", "UpdateSize"])
+def test_byproducts_match_cockpit(name, model_name):
+    expected, actual = side_by_side(one(name), model_name)
+    assert_same_output(actual, expected)
+
+
+def test_time_is_tracked_on_the_schedule():
+    actual, _ = train(FastCockpit, lambda: [fast_quantities.Time(fast_schedules.linear(2))], "mlp", steps=5)
+    assert sorted(actual) == [0, 2, 4]
+    times = [actual[step]["Time"] for step in (0, 2, 4)]
+    assert all(isinstance(t, float) for t in times) and times == sorted(times)
+
+
+def test_two_step_quantities_on_sparse_schedules():
+    make = lambda q, s: [q.UpdateSize(s.linear(3, offset=1)), q.Distance(s.linear(2))]  # noqa: E731
+    expected, actual = side_by_side(make, "mlp", steps=6)
+    assert_same_output(actual, expected)
+
+
+@pytest.mark.parametrize(
+    "args", [(1, 0), (3, 0), (4, 2), (5, 7)], ids=["every", "every-3", "offset-2", "offset-past-interval"]
+)
+def test_linear_schedule_matches_cockpit(args):
+    ours, theirs = fast_schedules.linear(*args), ref_schedules.linear(*args)
+    assert [ours(s) for s in range(40)] == [theirs(s) for s in range(40)]
+
+
+@pytest.mark.parametrize("args", [(0, 3, 20), (1, 2, 300, 10, False), (0, 4, 50, 2, True)])
+def test_logarithmic_schedule_matches_cockpit(args):
+    ours, theirs = fast_schedules.logarithmic(*args), ref_schedules.logarithmic(*args)
+    assert [ours(s) for s in range(1200)] == [bool(theirs(s)) for s in range(1200)]
+
+
+def test_parameter_without_requires_grad_is_rejected():
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    with pytest.raises(ValueError, match="requires_grad=False"):
+        FastCockpit([frozen])
+
+
+def test_only_quantities_can_be_added():
+    with pytest.raises(ValueError, match="Quantity"):
+        FastCockpit([torch.nn.Parameter(torch.ones(1))], quantities=[cockpit.quantities.Loss(fast_schedules.linear(1))])
+
+
+def test_only_backpack_extensions_are_accepted():
+    cp = FastCockpit([torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(ValueError, match="BackPACK extensions"):
+        cp(0, "BatchGrad")
+
+
+def test_missing_info_names_entry_and_quantity():
+    make = lambda: [fast_quantities.MeanGSNR(fast_schedules.linear(1))]  # noqa: E731
+    with pytest.raises(KeyError, match="MeanGSNR needs 'batch_size'"):
+        train(FastCockpit, make, "mlp", drop_info=("batch_size",))
+
+
+def test_non_scalar_loss_is_rejected():
+    model = extend(torch.nn.Linear(3, 2))
+    cp = FastCockpit(model.parameters(), quantities=[fast_quantities.Loss(fast_schedules.linear(1))])
+    losses = model(torch.randn(4, 3)).sum(1)
+    with pytest.raises(ValueError, match="scalar"):
+        with cp(0, info={"loss": losses}):
+            losses.sum().backward()
+
+
+def test_buffers_are_freed_and_user_extensions_kept():
+    """No BackPACK buffer outlives the step unless the user asked for it via *exts."""
+
+    def run(user_exts):
+        torch.manual_seed(0)
+        model, shape = build_model("mlp")
+        model = extend(model)
+        loss_fn = extend(torch.nn.CrossEntropyLoss())
+        make = lambda q, s: [q.GradHist1d(s.linear(1)), q.NormTest(s.linear(1)), q.HessTrace(s.linear(1))]  # noqa
+        cp = FastCockpit(model.parameters(), quantities=make(fast_quantities, fast_schedules))
+        loss = loss_fn(model(torch.randn(4, *shape)), torch.randint(0, 4, (4,)))
+        with cp(0, *user_exts, info={"loss": loss, "batch_size": 4}):
+            loss.backward()
+        return model, cp.get_output()
+
+    model, output = run(())
+    for p in model.parameters():
+        assert not {"grad_batch", "diag_h", "batch_l2", "sum_grad_squared"} & set(vars(p)), vars(p).keys()
+    model, output_with_grad_batch = run((BatchGrad(),))
+    for p in model.parameters():
+        assert p.grad_batch.shape[0] == 4 and not hasattr(p, "diag_h")
+    assert_same_output(output_with_grad_batch, output)
+
+
+def test_full_configuration_leaves_nothing_on_the_parameters():
+    from cockpit_fast.utils.configuration import configuration
+
+    _, cp = train(FastCockpit, lambda: configuration("full"), "cnn", steps=2)
+    for p in cp.params:
+        assert set(vars(p)) <= {"grad"}, vars(p).keys()
+
+
+def test_write_produces_cockpits_json_log(tmp_path):
+    make = lambda q, s: [q.Loss(s.linear(1)), q.GradHist1d(s.linear(1)), q.GradNorm(s.linear(2))]  # noqa: E731
+    outputs = []
+    packages = [(cockpit.Cockpit, cockpit.quantities, ref_schedules), (FastCockpit, fast_quantities, fast_schedules)]
+    for cls, q, s in packages:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, cp = train(cls, lambda: make(q, s), "mlp", steps=3)
+        cp.log(2, 1, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.1)
+        path = tmp_path / cls.__module__ / "log"
+        cp.write(str(path))
+        outputs.append(json.loads((path.parent / "log.json").read_text()))
+    expected, actual = outputs
+    assert actual.keys() == expected.keys()
+    for step in expected:
+        assert actual[step].keys() == expected[step].keys()
+        hist_e, hist_a = expected[step]["GradHist1d"]["hist"], actual[step]["GradHist1d"]["hist"]
+        assert hist_a.keys() == hist_e.keys() and hist_a["dtype"] == hist_e["dtype"]
+    assert actual["2"]["train_accuracy"] == 0.8
+
+
+def test_memory_stays_flat_over_many_steps():
+    """Caches are dropped as steps pass: nothing but the (small) results accumulates."""
+    every = fast_schedules.linear(1)
+    make = lambda: [fast_quantities.Alpha(every), fast_quantities.UpdateSize(every)]  # noqa: E731
+    _, cp = train(FastCockpit, make, "mlp", steps=6, optimizer="adam")
+    alpha, update_size = cp.quantities
+    assert len(alpha._starts._entries) == 1 and len(update_size._start._entries) == 1

@@ -1,0 +1,69 @@
+"""TIC, CABS, early stopping, Hessian max eigenvalue and the preset configurations vs Cockpit 1.0.2."""
+
+import pytest
+
+from cockpit_fast import quantities as fast_quantities
+from cockpit_fast.cockpit import Cockpit as FastCockpit
+from cockpit_fast.utils import configuration as fast_configuration
+from cockpit_fast.utils import schedules as fast_schedules
+from test_cockpit_core import MODELS, assert_same_output, one, side_by_side, train
+
+ref_configuration = pytest.importorskip("cockpit.utils.configuration")
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("name", ["TICDiag", "TICTrace"])
+@pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_mc"])
+def test_tic_matches_cockpit(name, curvature, model_name):
+    expected, actual = side_by_side(one(name, curvature=curvature), model_name, steps=2)
+    assert_same_output(actual, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("name", ["CABS", "EarlyStopping"])
+def test_sgd_criteria_match_cockpit(name, model_name):
+    expected, actual = side_by_side(one(name), model_name)
+    assert_same_output(actual, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["CABS", "EarlyStopping"])
+def test_sgd_criteria_reject_other_optimizers(name):
+    make = lambda: [getattr(fast_quantities, name)(fast_schedules.linear(1))]  # noqa: E731
+    with pytest.raises(ValueError, match="only supports SGD without momentum"):
+        train(FastCockpit, make, "mlp", steps=1, optimizer="momentum")
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_hess_max_ev_matches_cockpit(model_name):
+    expected, actual = side_by_side(one("HessMaxEV"), model_name, steps=2)
+    assert_same_output(actual, expected, rtol=1e-3)
+
+
+def test_hess_max_ev_lanczos_agrees_with_power_iteration():
+    output, _ = train(FastCockpit, lambda: [fast_quantities.HessMaxEV(fast_schedules.linear(1))], "mlp", steps=1)
+    lanczos, _ = train(
+        FastCockpit, lambda: [fast_quantities.HessMaxEV(fast_schedules.linear(1), use_power=False)], "mlp", steps=1
+    )
+    assert lanczos[0]["HessMaxEV"] == pytest.approx(output[0]["HessMaxEV"], rel=1e-2)
+
+
+@pytest.mark.parametrize("label", ["economy", "business", "full"])
+def test_configuration_classes_match_cockpit(label):
+    ours = [cls.__name__ for cls in fast_configuration.quantities_cls_for_configuration(label)]
+    theirs = [cls.__name__ for cls in ref_configuration.quantities_cls_for_configuration(label)]
+    assert ours == theirs
+
+
+def test_unknown_configuration_lists_the_options():
+    with pytest.raises(KeyError, match="economy.*business.*full"):
+        fast_configuration.configuration("first")
+
+
+@pytest.mark.parametrize("model_name,label", [("mlp", "full"), ("cnn", "business"), ("sequence", "economy")])
+def test_configuration_matches_cockpit(model_name, label):
+    def make(q, s):
+        module = ref_configuration if q.__name__.startswith("cockpit.") else fast_configuration
+        return module.configuration(label, track_schedule=s.linear(1))
+
+    expected, actual = side_by_side(make, model_name, steps=3)
+    assert_same_output(actual, expected, rtol=1e-3, atol=1e-5, max_count_diff=3)
