@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cockpit_fast/entry.h"
+#include "parallel.h"
 
 namespace cockpit_fast {
 namespace {
@@ -41,7 +42,7 @@ void batch_dot_kernel(const at::Tensor& rows, const at::Tensor& direction, doubl
   const scalar_t* d = direction.const_data_ptr<scalar_t>();
   std::vector<acc_t> partials(n_rows * n_tiles);
 
-  at::parallel_for(0, n_rows * n_tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows * n_tiles, grain_for(std::min(kTileColumns, n_cols)), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block / n_tiles, j0 = (block % n_tiles) * kTileColumns;
       const int64_t len = std::min(kTileColumns, n_cols - j0);

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "cockpit_fast/entry.h"
+#include "parallel.h"
 #include "private_histograms.h"
 
 namespace cockpit_fast {
@@ -23,7 +24,7 @@ void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, d
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
   PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
 
-  at::parallel_for(0, rows.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.numel(), kValuesPerTask, [&](int64_t begin, int64_t end) {
     int64_t* mine = histograms.mine();
     int32_t slots[kBatch];
     for (int64_t base = begin; base < end; base += kBatch) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cockpit_fast/entry.h"
+#include "parallel.h"
 #include "private_histograms.h"
 
 namespace cockpit_fast {
@@ -32,14 +33,15 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
   // The y bin of every column (-1 where the parameter is NaN), computed once for all samples.
   std::vector<int32_t> column_bin(n_cols);
   const scalar_t* p = param.const_data_ptr<scalar_t>();
-  at::parallel_for(0, n_cols, 4096, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_cols, kValuesPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) column_bin[j] = hist2d_axis_bin(static_cast<acc_t>(p[j]), y_axis);
   });
 
   PrivateHistograms histograms(discard + 1);
   const int64_t n_tiles = (n_cols + kTileColumns - 1) / kTileColumns;
   const int64_t n_groups = (n_rows + kGroupRows - 1) / kGroupRows;
-  at::parallel_for(0, n_groups * n_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kTileColumns);
+  at::parallel_for(0, n_groups * n_tiles, grain_for(values_per_block), [&](int64_t begin, int64_t end) {
     int64_t* mine = histograms.mine();
     int32_t slots[kTileColumns];
     for (int64_t block = begin; block < end; ++block) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cockpit_fast/entry.h"
+#include "parallel.h"
 
 namespace cockpit_fast {
 namespace {
@@ -25,7 +26,7 @@ void per_sample_stats_kernel(const at::Tensor& rows, double scale,
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
   std::vector<Summary<acc_t>> partials(n_rows * n_chunks);
 
-  at::parallel_for(0, n_rows * n_chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows * n_chunks, grain_for(std::min(kStatsChunk, n_cols)), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> values(kStatsChunk);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block / n_chunks, j0 = (block % n_chunks) * kStatsChunk;
@@ -38,7 +39,7 @@ void per_sample_stats_kernel(const at::Tensor& rows, double scale,
 
   acc_t* out = stats.data_ptr<acc_t>();
   const int64_t width = stats.size(1);
-  at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows, grain_for(n_chunks * kPowSum0), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       summaries_to_row(partials.data() + n * n_chunks, n_chunks, p, out + n * width);
     }

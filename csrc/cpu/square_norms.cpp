@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cockpit_fast/entry.h"
+#include "parallel.h"
 
 namespace cockpit_fast {
 namespace {
@@ -57,7 +58,8 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
   std::vector<acc_t> row_partials(kRows ? n_rows * n_tiles : 0);
   std::vector<acc_t> column_partials(kColumns ? n_groups * n_cols : 0, acc_t(0));
 
-  at::parallel_for(0, n_groups * n_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kTileColumns);
+  at::parallel_for(0, n_groups * n_tiles, grain_for(values_per_block), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t group = block / n_tiles, tile = block % n_tiles;
       const int64_t j0 = tile * kTileColumns, len = std::min(kTileColumns, n_cols - j0);
@@ -72,7 +74,7 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
 
   if constexpr (kRows) {
     acc_t* out = l2.data_ptr<acc_t>();
-    at::parallel_for(0, n_rows, 64, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n_rows, grain_for(n_tiles), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         double total = 0;  // double: a long row has many tiles
         for (int64_t t = 0; t < n_tiles; ++t) total += row_partials[n * n_tiles + t];
@@ -82,7 +84,7 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
   }
   if constexpr (kColumns) {
     acc_t* out = sum_sq.data_ptr<acc_t>();
-    at::parallel_for(0, n_cols, 4096, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n_cols, grain_for(n_groups), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         double total = 0;  // double: a large batch has many row groups
         for (int64_t group = 0; group < n_groups; ++group) total += column_partials[group * n_cols + j];
