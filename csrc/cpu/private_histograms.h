@@ -16,7 +16,7 @@ class PrivateHistograms {
   // `slots` counters per histogram; the caller may use the last one as a discard slot.
   explicit PrivateHistograms(int64_t slots)
       : slots_(slots),
-        copies_(slots <= 8192 ? 4 : 1),
+        copies_(slots <= 8192 ? 4 : 1),  // count() relies on 1 or 4
         counts_(static_cast<size_t>(at::get_num_threads() * copies_ * slots), 0) {}
 
   // The calling thread's counters; valid inside at::parallel_for.
@@ -24,8 +24,19 @@ class PrivateHistograms {
 
   // Counts slots[0..len) into the calling thread's counters, value i into copy i % copies.
   void count(int64_t* mine, const int32_t* slots, int64_t len) const {
-    const int64_t mask = copies_ - 1, stride = slots_;  // copies_ is 1 or 4; locals: no aliasing
-    for (int64_t i = 0; i < len; ++i) ++mine[(i & mask) * stride + slots[i]];
+    if (copies_ == 1) {
+      for (int64_t i = 0; i < len; ++i) ++mine[slots[i]];
+      return;
+    }
+    int64_t* copy[4] = {mine, mine + slots_, mine + 2 * slots_, mine + 3 * slots_};
+    int64_t i = 0;
+    for (; i + 4 <= len; i += 4) {
+      ++copy[0][slots[i]];
+      ++copy[1][slots[i + 1]];
+      ++copy[2][slots[i + 2]];
+      ++copy[3][slots[i + 3]];
+    }
+    for (; i < len; ++i) ++copy[i & 3][slots[i]];
   }
 
   // Adds every thread's counters of slots [0, n_out) into out.
