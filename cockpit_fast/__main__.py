@@ -1,0 +1,7 @@
+"""``python -m cockpit_fast``: see :mod:`cockpit_fast.cli`."""
+
+import sys
+
+from cockpit_fast.cli import main
+
+sys.exit(main())

@@ -1,0 +1,342 @@
+"""The demo run: a small CNN learns scikit-learn's handwritten digits under a cockpit.
+
+Plain training (no cockpit) and tracked training of the same model, optimizer and batches run
+one after the other, so that the time per step of both is measured on the same machine in the
+same process. The run folder receives the cockpit's JSON log, its dashboard as PNG and, when
+TensorBoard is installed, event files with every scalar quantity and the gradient histograms.
+"""
+
+import copy
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+LEARNING_RATE = 0.3  # plain SGD, the optimizer all of Cockpit's quantities support
+VALIDATION_FRACTION = 0.2
+PARAMETER_SEPARATOR = "/"
+
+
+class UsageError(ValueError):
+    """Options that cannot make a run (the command line reports these in one line)."""
+
+
+def load_digits_split(seed, device):
+    """Scikit-learn's 8x8 digits as image tensors, split into training and validation sets.
+
+    Returns:
+        tuple: ``(train_images, train_labels, valid_images, valid_labels)`` on ``device``,
+        images of shape ``(N, 1, 8, 8)`` scaled to [0, 1].
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    valid_count = int(VALIDATION_FRACTION * len(labels))
+    valid, train = order[:valid_count], order[valid_count:]
+    return tuple(t.to(device) for t in (images[train], labels[train], images[valid], labels[valid]))
+
+
+def build_model():
+    """A small CNN for 8x8 single-channel images, made of layers BackPACK supports."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, kernel_size=3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 10),
+    )
+
+
+def batches(images, labels, batch_size, epochs, max_steps, seed):
+    """Yield ``(epoch, inputs, targets)`` of shuffled full batches, at most ``max_steps`` of them."""
+    generator = torch.Generator().manual_seed(seed)
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(labels), generator=generator).to(labels.device)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            if step == max_steps:
+                return
+            index = order[start : start + batch_size]
+            yield epoch, images[index], labels[index]
+            step += 1
+
+
+def step_count(train_size, batch_size, epochs, max_steps):
+    """Number of steps :func:`batches` yields."""
+    return min(max_steps, epochs * (train_size // batch_size))
+
+
+def synchronize(device):
+    """Wait for queued GPU work, so that wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accuracy(outputs, targets):
+    """Fraction of rows of ``outputs`` whose largest logit is the target class."""
+    return (outputs.argmax(dim=1) == targets).float().mean().item()
+
+
+def train_plain(model, data, device):
+    """Plain SGD training over ``data``; returns the seconds each step took."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    seconds = []
+    for _, inputs, targets in data:
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+class TensorBoardExport:
+    """Writes a cockpit's output to TensorBoard: scalars as they are, histograms from their counts.
+
+    Numbers become scalars tagged with the quantity's name; per-parameter lists become one
+    scalar per parameter (``Quantity/parameter``); GradHist1d's ``hist`` and ``edges`` are
+    handed to ``add_histogram_raw`` unchanged, and so is GradHist2d's marginal over the
+    gradient axis (summed from its counts), so nothing is recomputed from the gradients.
+    Entries are written once, so the export can run again as more steps are tracked.
+    """
+
+    def __init__(self, logdir, parameter_names):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=logdir)
+        self.parameter_names = parameter_names
+        self._written = set()
+
+    def export(self, output):
+        """Write the entries of ``output`` (``{step: {name: value}}``) not written yet."""
+        for step in sorted(output):
+            for name, value in output[step].items():
+                if (step, name) not in self._written and value is not None:
+                    self._write(name, value, step)
+                    self._written.add((step, name))
+        self.writer.flush()
+
+    def _write(self, name, value, step):
+        """One log entry, by its kind; other entries (e.g. per-parameter 2D histograms) are left out."""
+        if isinstance(value, (int, float)):
+            self.writer.add_scalar(name, value, step)
+        elif isinstance(value, list) and len(value) == len(self.parameter_names):
+            for parameter, number in zip(self.parameter_names, value):
+                self.writer.add_scalar(f"{name}{PARAMETER_SEPARATOR}{parameter}", number, step)
+        elif isinstance(value, dict) and name == "GradHist1d":
+            self._add_histogram(name, value["hist"], value["edges"], step)
+        elif isinstance(value, dict) and name == "GradHist2d":
+            gradient_counts = torch.as_tensor(value["hist"]).sum(dim=1)  # bins: (gradient, parameter)
+            tag = f"{name}{PARAMETER_SEPARATOR}gradients"
+            self._add_histogram(tag, gradient_counts, value["edges"][0], step)
+
+    def _add_histogram(self, tag, counts, edges, step):
+        """Histogram with the given bin counts; TensorBoard takes each bin's right edge."""
+        counts = torch.as_tensor(counts, dtype=torch.float64)
+        edges = torch.as_tensor(edges, dtype=torch.float64)
+        centers = (edges[:-1] + edges[1:]) / 2
+        total = counts.sum().item()
+        self.writer.add_histogram_raw(
+            tag,
+            min=edges[0].item(),
+            max=edges[-1].item(),
+            num=total,
+            sum=(counts * centers).sum().item(),
+            sum_squares=(counts * centers**2).sum().item(),
+            bucket_limits=edges[1:].tolist(),
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
+
+    def close(self):
+        self.writer.close()
+
+
+def tensorboard_export(logdir, parameter_names):
+    """A :class:`TensorBoardExport`, or ``None`` (with a note) when TensorBoard is not installed."""
+    try:
+        return TensorBoardExport(logdir, parameter_names)
+    except ImportError:
+        print("TensorBoard is not installed: skipping the event files (pip install tensorboard).")
+        return None
+
+
+def evaluate(model, images, labels):
+    """Mean loss and accuracy of ``model`` on a whole data set."""
+    with torch.no_grad():
+        outputs = model(images)
+        return torch.nn.functional.cross_entropy(outputs, labels).item(), accuracy(outputs, labels)
+
+
+def train_tracked(model, data, total_steps, config, track_every, valid_set, out, device):
+    """Plain SGD training under a cockpit; returns the cockpit and the seconds each step took.
+
+    Per-epoch losses and accuracies go to ``cockpit.log`` for the dashboard's performance panel;
+    TensorBoard receives the new entries after every epoch.
+    """
+    import backpack
+    from tqdm import tqdm
+
+    from cockpit_fast.cockpit import Cockpit
+    from cockpit_fast.utils import schedules
+    from cockpit_fast.utils.configuration import configuration
+
+    model = backpack.extend(model)
+    loss_fn = backpack.extend(torch.nn.CrossEntropyLoss(reduction="mean"))
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    quantities = configuration(config, track_schedule=schedules.linear(interval=track_every))
+    cockpit = Cockpit(model.parameters(), quantities=quantities)
+    parameter_names = [name for name, _ in model.named_parameters()]
+    board = tensorboard_export(os.path.join(out, "tensorboard"), parameter_names)
+
+    seconds = []
+    epoch_losses, epoch_accuracies = [], []
+    progress = tqdm(total=total_steps, desc="tracked training", unit="step")
+
+    def end_epoch(step, epoch):
+        valid_loss, valid_accuracy = evaluate(model, *valid_set)
+        cockpit.log(
+            step,
+            epoch,
+            statistics.fmean(epoch_losses),
+            valid_loss,
+            None,
+            statistics.fmean(epoch_accuracies),
+            valid_accuracy,
+            None,
+            LEARNING_RATE,
+        )
+        epoch_losses.clear()
+        epoch_accuracies.clear()
+        if board is not None:
+            board.export(cockpit.get_output())
+
+    step, epoch = 0, 0
+    for step, (batch_epoch, inputs, targets) in enumerate(data):
+        if batch_epoch != epoch:
+            end_epoch(step - 1, epoch)
+            epoch = batch_epoch
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, targets)
+        info = {
+            "batch_size": len(targets),
+            "individual_losses": individual_loss_fn(outputs, targets),
+            "loss": loss,
+            "optimizer": optimizer,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's backward-hook notices, once per step
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+
+        epoch_losses.append(loss.item())
+        epoch_accuracies.append(accuracy(outputs, targets))
+        progress.set_postfix({"loss": f"{epoch_losses[-1]:.3f}", "acc": f"{epoch_accuracies[-1]:.2f}"})
+        progress.update()
+    end_epoch(step, epoch)
+    progress.close()
+    if board is not None:
+        board.close()
+    return cockpit, seconds
+
+
+def resolve_device(choice):
+    """``torch.device`` for ``"cpu"``, ``"cuda"`` or ``"auto"`` (the GPU when there is one)."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def milliseconds_per_step(seconds):
+    """Median step time in ms, leaving out the first step (warm-up) when there are others."""
+    return 1000 * statistics.median(seconds[1:] or seconds)
+
+
+def run(steps, epochs, batch_size, device, config, seed, out, track_every):
+    """Train plainly, then under the cockpit, write the outputs and print where they are.
+
+    Args:
+        steps (int): Most steps per training run.
+        epochs (int): Most passes over the training set.
+        batch_size (int): Samples per step.
+        device (str): ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        config (str): Cockpit configuration, ``"economy"``, ``"business"`` or ``"full"``.
+        seed (int): Seed of the initial weights and of the batch order.
+        out (str): Run folder.
+        track_every (int): Track the quantities every this many steps.
+
+    Raises:
+        UsageError: If a batch is larger than the training set.
+    """
+    from cockpit_fast.plotter import CockpitPlotter
+
+    device = resolve_device(device)
+    train_images, train_labels, *valid_set = load_digits_split(seed, device)
+    if batch_size > len(train_labels):
+        raise UsageError(f"--batch-size {batch_size} is larger than the {len(train_labels)} training images")
+    total_steps = step_count(len(train_labels), batch_size, epochs, steps)
+    print(
+        f"Digits: {len(train_labels)} training / {len(valid_set[1])} validation images, "
+        f"{total_steps} steps of {batch_size} on {device}, cockpit configuration '{config}'."
+    )
+
+    torch.manual_seed(seed)
+    model = build_model().to(device)
+    plain_model = copy.deepcopy(model)  # same initial weights for both runs
+
+    def data():
+        return batches(train_images, train_labels, batch_size, epochs, steps, seed)
+
+    plain_seconds = train_plain(plain_model, data(), device)
+    cockpit, tracked_seconds = train_tracked(
+        model, data(), total_steps, config, track_every, valid_set, out, device
+    )
+
+    cockpit.write(os.path.join(out, "cockpit"))
+    CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=out)
+    _, valid_accuracy = evaluate(model, *valid_set)
+    print_summary(plain_seconds, tracked_seconds, track_every, valid_accuracy, out)
+
+
+def print_summary(plain_seconds, tracked_seconds, track_every, valid_accuracy, out):
+    """Table of the time per step with and without the cockpit, the accuracy, and where the outputs are."""
+    plain, tracked = milliseconds_per_step(plain_seconds), milliseconds_per_step(tracked_seconds)
+    tracked_label = "tracked (cockpit)" if track_every == 1 else f"tracked (every {track_every} steps)"
+    rows = [
+        ("training", "ms / step", "vs plain"),
+        ("plain (no cockpit)", f"{plain:.2f}", "1.0x"),
+        (tracked_label, f"{tracked:.2f}", f"{tracked / plain:.1f}x"),
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    print()
+    for row in rows:
+        print(f"  {row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}")
+    print("  (median over the steps, first step left out)")
+    print(f"  validation accuracy after tracked training: {valid_accuracy:.3f}")
+    print()
+    outputs = [
+        ("log", os.path.join(out, "cockpit.json")),
+        ("dashboard", os.path.join(out, "cockpit__primary.png")),
+    ]
+    tensorboard_dir = os.path.join(out, "tensorboard")
+    if os.path.isdir(tensorboard_dir):
+        outputs.append(("tensorboard", f"tensorboard --logdir {tensorboard_dir}"))
+    for label, where in outputs:
+        print(f"  {label + ':':<12} {where}")

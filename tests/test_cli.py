@@ -1,0 +1,224 @@
+"""The command line: ``python -m cockpit_fast {demo,plot,bench,info}``.
+
+The demo runs once, briefly, as a user would start it; its run folder is checked for a complete
+log, a dashboard-sized PNG and TensorBoard events. ``plot`` redraws a log written by Cockpit
+1.0.2 itself. Option errors are checked in-process: one line on stderr, exit code 2.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import json_tricks
+import pytest
+import torch
+
+from cockpit_fast import cli
+from cockpit_fast.demo import build_model
+
+pytest.importorskip("backpack")
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+DASHBOARD_PIXELS = (1500, 3000)  # height, width of CockpitPlotter's saved primary screen
+DEMO_STEPS = 12
+# What Cockpit.log records next to the quantities (the demo logs every epoch's end).
+LOG_KEYS = {
+    "epoch_count",
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+}
+
+
+def run_module(*args):
+    """``python -m cockpit_fast *args`` from the repository root; returns the finished process."""
+    env = dict(os.environ, PYTHONPATH=str(REPOSITORY))
+    # Tests share 2 cores with other jobs: one thread each keeps OpenMP from spinning against them.
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "cockpit_fast", *args], cwd=REPOSITORY, env=env, capture_output=True, text=True
+    )
+
+
+def read_log(path):
+    """A cockpit's JSON log as written (json_tricks: histograms come back as NumPy arrays)."""
+    return json_tricks.loads(Path(path).read_text())
+
+
+def image_pixels(path):
+    from matplotlib.image import imread
+
+    return imread(str(path)).shape[:2]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The run folder and the finished process of a short demo with the full configuration."""
+    out = tmp_path_factory.mktemp("demo") / "run"
+    process = run_module(
+        *("demo", "--steps", str(DEMO_STEPS), "--batch-size", "32"),
+        *("--config", "full", "--device", "cpu", "--out", str(out)),
+    )
+    assert process.returncode == 0, process.stderr
+    return out, process
+
+
+def test_demo_log_holds_every_quantity_of_the_configuration(demo_run):
+    from cockpit_fast.utils.configuration import configuration
+
+    out, _ = demo_run
+    log = read_log(out / "cockpit.json")
+    expected = {type(quantity).__name__ for quantity in configuration("full")}
+    assert sorted(int(step) for step in log) == list(range(DEMO_STEPS))
+    # Alpha and UpdateSize of a step are known only once the next step has run.
+    assert expected <= set(log["0"])
+    assert expected - {"Alpha", "UpdateSize"} <= set(log[str(DEMO_STEPS - 1)])
+    logged = {name for entry in log.values() for name in entry}
+    assert logged - LOG_KEYS == expected
+    assert log[str(DEMO_STEPS - 1)]["valid_accuracy"] is not None
+
+
+def test_demo_saves_the_dashboard(demo_run):
+    out, _ = demo_run
+    assert image_pixels(out / "cockpit__primary.png") == DASHBOARD_PIXELS
+
+
+def test_demo_writes_scalars_and_histograms_to_tensorboard(demo_run):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    out, _ = demo_run
+    everything = {"scalars": 0, "histograms": 0}
+    events = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance=everything)
+    events.Reload()
+    tags = events.Tags()
+    scalars = ["Loss", "Alpha", "NormTest", "InnerTest", "OrthoTest", "HessMaxEV", "TICDiag", "train_loss"]
+    assert set(scalars) <= set(tags["scalars"])
+    assert any(tag.startswith("GradNorm/") for tag in tags["scalars"])
+    assert {"GradHist1d", "GradHist2d/gradients"} <= set(tags["histograms"])
+    assert [event.step for event in events.Scalars("Loss")] == list(range(DEMO_STEPS))
+
+    # The histogram holds the kernel's counts: one per gradient element of every sample.
+    log = read_log(out / "cockpit.json")
+    first = events.Histograms("GradHist1d")[0].histogram_value
+    assert list(first.bucket) == pytest.approx(log["0"]["GradHist1d"]["hist"].tolist())
+    parameters = sum(p.numel() for p in build_model().parameters())
+    assert first.num == 32 * parameters
+
+
+def test_demo_prints_the_timing_table_and_outputs(demo_run):
+    out, process = demo_run
+    assert "plain (no cockpit)" in process.stdout
+    assert "tracked (cockpit)" in process.stdout
+    assert str(out / "cockpit.json") in process.stdout
+    assert "Traceback" not in process.stderr
+
+
+def write_cockpit_log(logpath):
+    """A few steps of a tiny MLP under Cockpit 1.0.2's own ``full`` configuration, written to ``logpath``."""
+    cockpit = pytest.importorskip("cockpit")
+    from backpack import extend
+    from cockpit.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = cockpit.Cockpit(model.parameters(), quantities=configuration("full"))
+    inputs, labels = torch.randn(16, 10), torch.randint(0, 3, (16,))
+    for step in range(4):
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, labels)
+        info = {
+            "batch_size": 16,
+            "individual_losses": individual_loss_fn(outputs, labels),
+            "loss": loss,
+            "optimizer": optimizer,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker(step, info=info):
+                loss.backward(create_graph=tracker.create_graph(step))
+        optimizer.step()
+    tracker.write(str(logpath))
+
+
+def test_plot_redraws_a_log_written_by_cockpit(tmp_path):
+    write_cockpit_log(tmp_path / "cockpit_run")
+    output = tmp_path / "figures" / "dashboard.png"
+    process = run_module("plot", str(tmp_path / "cockpit_run.json"), "-o", str(output))
+    assert process.returncode == 0, process.stderr
+    assert image_pixels(output) == DASHBOARD_PIXELS
+
+
+def test_info_names_versions_extension_and_device(capsys):
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    labels = [line.split(":")[0] for line in lines]
+    assert labels == [
+        "cockpit_fast",
+        "torch",
+        "extension built",
+        "CUDA kernels",
+        "device",
+        "backpack-for-pytorch",
+        "cockpit-for-pytorch",
+    ]
+    assert lines[1].split()[-1] == torch.__version__
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert lines[4].split()[-1] == expected_device
+
+
+def test_bench_runs_the_scripts_present_with_quick(tmp_path, monkeypatch, capfd):
+    (tmp_path / "bench_ops.py").write_text("import sys\nprint('ops table', sys.argv[1:])\n")
+    monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
+    assert cli.main(["bench", "--quick"]) == 0
+    out = capfd.readouterr().out
+    assert "== bench_ops.py ==" in out
+    assert "ops table ['--quick']" in out
+    assert "bench_step.py" not in out
+
+
+def test_bench_without_the_repository_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path / "benchmarks")
+    assert cli.main(["bench"]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+BAD_ARGUMENTS = [
+    [],
+    ["fly"],
+    ["demo", "--steps", "0"],
+    ["demo", "--steps", "many"],
+    ["demo", "--batch-size", "-4"],
+    ["demo", "--epochs", "1.5"],
+    ["demo", "--batch-size", "100000"],
+    ["demo", "--track-every", "0"],
+    ["demo", "--config", "first-class"],
+    ["demo", "--device", "tpu"],
+    ["plot", "no/such/log.json"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_ARGUMENTS, ids=lambda argv: " ".join(argv) or "no command")
+def test_bad_arguments_end_with_one_line_and_exit_code_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1
+    assert "error" in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for machines without a GPU")
+def test_demo_on_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
