@@ -157,6 +157,7 @@ class _BatchStats:
             for param in metric.target_parameters:
                 self._p_values[self._pair(metric, param)].update(dict.fromkeys(metric._stats_p_values()))
         self._rows = {}
+        self._merged = {}
 
     @staticmethod
     def _pair(metric, param):
@@ -167,14 +168,18 @@ class _BatchStats:
         """The metric's values for every sample: shape (N, dim), in the original's dtype."""
         if not metric.target_parameters:  # nothing to collect: the reset values, for every sample
             return metric.data.expand(n, -1)
-        parts, dtype = [], torch.get_default_dtype()
-        for param in metric.target_parameters:
-            rows, count, grad_dtype = self._stats(metric, param)
-            p_columns = [columns.P0 + list(self._p_values[self._pair(metric, param)]).index(p)
-                         for p in metric._stats_p_values()]
-            parts.append((rows[:, list(range(columns.P0)) + p_columns], count))
-            dtype = torch.promote_types(dtype, grad_dtype)
-        merged, count = columns.merge(parts)
+        # Metrics over the same parameters, transform and p values share one merge.
+        key = (tuple(self._pair(metric, param) for param in metric.target_parameters), tuple(metric._stats_p_values()))
+        if key not in self._merged:
+            parts, dtype = [], torch.get_default_dtype()
+            for param in metric.target_parameters:
+                rows, count, grad_dtype = self._stats(metric, param)
+                p_columns = [columns.P0 + list(self._p_values[self._pair(metric, param)]).index(p)
+                             for p in metric._stats_p_values()]
+                parts.append((rows[:, list(range(columns.P0)) + p_columns], count))
+                dtype = torch.promote_types(dtype, grad_dtype)
+            self._merged[key] = (*columns.merge(parts), dtype)
+        merged, count, dtype = self._merged[key]
         return metric._rows_from_stats(merged, count).to(dtype)
 
     def _stats(self, metric, param):
