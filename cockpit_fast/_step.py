@@ -167,15 +167,18 @@ STATISTIC_SOURCES = frozenset({"grad_batch", BATCH_L2.name, SUM_GRAD_SQUARED.nam
 """BackPACK buffers the hook reads statistics from."""
 
 
-def extensions_for(statistics, user_extensions=()):
+def extensions_for(statistics, params, user_extensions=()):
     """The cheapest BackPACK extensions from which the hook can compute ``statistics``.
 
-    Square norms come from BackPACK's own extensions unless ``grad_batch`` is computed anyway.
+    Square norms come from BackPACK's own extensions unless ``grad_batch`` is computed anyway, or
+    a parameter is a convolution kernel (more than 2 dimensions): BackPACK computes those norms
+    from unfolded inputs, which costs more than ``grad_batch`` and one fused pass (a step of a
+    small CNN: 52 ms against 33 ms; on an MLP's Linear layers the reverse, 2.7 ms against 49 ms).
     """
     has_grad_batch = any(isinstance(e, BatchGrad) for e in user_extensions)
     if not statistics or has_grad_batch:
         return []
-    if any(s.needs_grad_batch for s in statistics):
+    if any(s.needs_grad_batch for s in statistics) or any(p.dim() > 2 for p in params):
         return [BatchGrad()]
     return [s.extension() for s in statistics]
 

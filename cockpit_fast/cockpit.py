@@ -155,7 +155,7 @@ class _TrackedBackward:
         extensions = _unique_by_type(
             [
                 *user_exts,
-                *extensions_for(ctx.requests, user_exts),
+                *extensions_for(ctx.requests, ctx.params, user_exts),
                 *(e for q in cockpit.quantities for e in q.extensions(step)),
             ]
         )

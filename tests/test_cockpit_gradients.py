@@ -1,6 +1,7 @@
 """Histograms, bin adaptation, GSNR, Hessian trace and the gradient tests against Cockpit 1.0.2."""
 
 import pytest
+import torch
 
 from cockpit_fast import quantities as fast_quantities
 from test_cockpit_core import MODELS, assert_same_output, one, side_by_side
@@ -90,9 +91,13 @@ def test_square_norms_alone_come_from_backpacks_cheaper_extensions():
 
     from cockpit_fast._step import BATCH_L2, SUM_GRAD_SQUARED, Hist1d, extensions_for
 
-    assert [type(e) for e in extensions_for({BATCH_L2, SUM_GRAD_SQUARED})] in (
+    linear_params = [torch.zeros(4, 3), torch.zeros(4)]
+    conv_params = [torch.zeros(4, 3, 3, 3), torch.zeros(4)]
+    assert [type(e) for e in extensions_for({BATCH_L2, SUM_GRAD_SQUARED}, linear_params)] in (
         [BatchL2Grad, SumGradSquared],
         [SumGradSquared, BatchL2Grad],
     )
-    assert [type(e) for e in extensions_for({BATCH_L2, Hist1d(3, (-1, 1))})] == [BatchGrad]
-    assert extensions_for({BATCH_L2}, user_extensions=[BatchGrad()]) == []
+    assert [type(e) for e in extensions_for({BATCH_L2, Hist1d(3, (-1, 1))}, linear_params)] == [BatchGrad]
+    assert extensions_for({BATCH_L2}, linear_params, user_extensions=[BatchGrad()]) == []
+    # On convolution kernels BackPACK's square norms cost more than grad_batch and a fused pass.
+    assert [type(e) for e in extensions_for({BATCH_L2}, conv_params)] == [BatchGrad]
