@@ -53,6 +53,32 @@ def check_companion(op, g, other, name):
         )
 
 
+def check_factors(op, left, right, scale):
+    """Factors (N, p) and (N, q) of per-sample outer products: 2-d, float, same N, dtype, device."""
+    for name, t in (("left", left), ("right", right)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(
+                f"cockpit_fast.{op}: {name} must be a 2-d (N, features) tensor, got a {t.dim()}-d tensor"
+            )
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"cockpit_fast.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
+    if right.device != left.device:
+        raise ValueError(f"cockpit_fast.{op}: left is on {left.device} but right is on {right.device}")
+    if right.dtype != left.dtype:
+        raise ValueError(f"cockpit_fast.{op}: left is {left.dtype} but right is {right.dtype}")
+    if right.shape[0] != left.shape[0]:
+        raise ValueError(
+            f"cockpit_fast.{op}: left and right must have the same number of samples, "
+            f"got {left.shape[0]} and {right.shape[0]}"
+        )
+    check_scale(op, scale)
+    return float(scale)
+
+
 def check_bins(op, bins, axis=""):
     if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
         raise ValueError(f"cockpit_fast.{op}: {axis}bins must be a positive integer, got {bins!r}")
@@ -131,3 +157,36 @@ def per_sample_stats_args(g, scale, p_values):
     p_values = [float(p) for p in p_values]
     check_p_values("per_sample_stats", p_values)
     return scale, p_values
+
+
+def outer_hist1d_args(left, right, bins, range, scale):
+    scale = check_factors("outer_hist1d", left, right, scale)
+    check_bins("outer_hist1d", bins)
+    check_cells("outer_hist1d", bins)
+    lo, hi = range
+    check_range("outer_hist1d", lo, hi)
+    return bins, float(lo), float(hi), scale
+
+
+def outer_hist2d_args(left, right, param, bins, range, scale):
+    scale = check_factors("outer_hist2d", left, right, scale)
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(f"cockpit_fast.outer_hist2d: param must be a tensor, got {type(param).__name__}")
+    if param.device != left.device:
+        raise ValueError(f"cockpit_fast.outer_hist2d: left is on {left.device} but param is on {param.device}")
+    if param.dtype != left.dtype:
+        raise ValueError(f"cockpit_fast.outer_hist2d: left is {left.dtype} but param is {param.dtype}")
+    expected = (left.shape[1], right.shape[1])
+    if tuple(param.shape) != expected:
+        raise ValueError(
+            f"cockpit_fast.outer_hist2d: param must have shape (left.shape[1], right.shape[1]) = "
+            f"{expected}, got {tuple(param.shape)}"
+        )
+    xbins, ybins = bins
+    (xlo, xhi), (ylo, yhi) = range
+    check_bins("outer_hist2d", xbins, "x ")
+    check_bins("outer_hist2d", ybins, "y ")
+    check_cells("outer_hist2d", xbins * ybins)
+    check_range("outer_hist2d", xlo, xhi, "x ")
+    check_range("outer_hist2d", ylo, yhi, "y ")
+    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi)), scale

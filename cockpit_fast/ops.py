@@ -122,6 +122,32 @@ def per_sample_stats(g, scale=1.0, p_values=()):
     return _OPS.per_sample_stats.default(g, float(scale), [float(p) for p in p_values])
 
 
+def outer_hist1d(left, right, bins=100, range=(-2.0, 2.0), scale=1.0):
+    """:func:`hist1d` of the per-sample outer products ``left[n] right[n]^T``, never formed.
+
+    ``left`` (N, p) and ``right`` (N, q) are the factors of a per-sample gradient, e.g. a Linear
+    layer's output gradient and input. Each product is rounded in the input dtype, as the
+    materialised gradient is, so the counts equal ``hist1d`` of the formed products exactly.
+    """
+    if _use_reference():
+        return reference.outer_hist1d(left, right, bins, range, scale)
+    lo, hi = range
+    return _OPS.outer_hist1d.default(left, right, bins, float(lo), float(hi), float(scale))
+
+
+def outer_hist2d(left, right, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
+    """:func:`hist2d` over pairs (scale * left[n, i] * right[n, j], param[i, j]), products never formed.
+
+    ``param`` has shape (p, q). Counts equal ``hist2d`` of the formed products exactly.
+    """
+    if _use_reference():
+        return reference.outer_hist2d(left, right, param, bins, range, scale)
+    (xbins, ybins), ((xlo, xhi), (ylo, yhi)) = bins, range
+    return _OPS.outer_hist2d.default(
+        left, right, param, xbins, ybins, float(xlo), float(xhi), float(ylo), float(yhi), float(scale)
+    )
+
+
 def _register_fake_kernels():
     """Shape-only twins so the ops trace under torch.compile(fullgraph=True) and FakeTensor."""
 
@@ -162,6 +188,16 @@ def _register_fake_kernels():
     def _(g, scale, p_values):
         v.per_sample_stats_args(g, scale, p_values)
         return acc(g, g.shape[0], columns.P0 + len(p_values))
+
+    @torch.library.register_fake("cockpit_fast::outer_hist1d")
+    def _(left, right, bins, lo, hi, scale):
+        v.outer_hist1d_args(left, right, bins, (lo, hi), scale)
+        return left.new_empty((bins,), dtype=torch.float32)
+
+    @torch.library.register_fake("cockpit_fast::outer_hist2d")
+    def _(left, right, param, xbins, ybins, xlo, xhi, ylo, yhi, scale):
+        v.outer_hist2d_args(left, right, param, (xbins, ybins), ((xlo, xhi), (ylo, yhi)), scale)
+        return left.new_empty((xbins, ybins), dtype=torch.float32)
 
 
 if _OPS is not None:

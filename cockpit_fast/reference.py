@@ -94,3 +94,20 @@ def per_sample_stats(g, scale=1.0, p_values=()):
     for i, p in enumerate(p_values):
         out[:, columns.P0 + i] = x.abs().pow(p).sum(1)
     return out
+
+
+def _outer_products(left, right):
+    """The per-sample outer products left[n] right[n]^T, rounded in the input dtype: (N, p, q)."""
+    return left[:, :, None] * right[:, None, :]
+
+
+def outer_hist1d(left, right, bins=100, range=(-2.0, 2.0), scale=1.0):
+    """:func:`hist1d` of the per-sample outer products ``left[n] right[n]^T``, formed in full."""
+    bins, lo, hi, scale = v.outer_hist1d_args(left, right, bins, range, scale)
+    return hist1d(_outer_products(left, right), bins, (lo, hi), scale)
+
+
+def outer_hist2d(left, right, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
+    """:func:`hist2d` of the per-sample outer products ``left[n] right[n]^T`` against ``param``."""
+    bins, xrange, yrange, scale = v.outer_hist2d_args(left, right, param, bins, range, scale)
+    return hist2d(_outer_products(left, right), param, bins, (xrange, yrange), scale)

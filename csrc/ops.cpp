@@ -18,4 +18,8 @@ TORCH_LIBRARY(cockpit_fast, m) {
       "float yhi, float scale) -> Tensor");
   m.def("batch_dot(Tensor g, Tensor direction, float scale) -> Tensor");
   m.def("per_sample_stats(Tensor g, float scale, float[] p_values) -> Tensor");
+  m.def("outer_hist1d(Tensor left, Tensor right, int bins, float lo, float hi, float scale) -> Tensor");
+  m.def(
+      "outer_hist2d(Tensor left, Tensor right, Tensor param, int xbins, int ybins, float xlo, "
+      "float xhi, float ylo, float yhi, float scale) -> Tensor");
 }

@@ -7,6 +7,7 @@
 // scale * g - lo is never fused into one FMA: the bin arithmetic must round exactly as torch's.
 #pragma once
 
+#include <ATen/OpMathType.h>
 #include <c10/macros/Macros.h>
 
 #include <cmath>
@@ -61,6 +62,16 @@ C10_HOST_DEVICE inline int32_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) 
       static_cast<int32_t>((clamped - b.lo) * static_cast<acc_t>(b.bins) / b.span);
   const int32_t bin = pos >= b.bins ? b.bins - 1 : pos;
   return nan ? b.bins : bin;
+}
+
+// ---------------------------------------------------------------------------------------------
+// outer_hist1d / outer_hist2d: one element u * v of a per-sample outer product, rounded to the
+// input dtype exactly as the materialised per-sample gradient (BackPACK's product) is rounded.
+// Products of two float16/bfloat16 values are exact in float, so the one rounding is the cast.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t outer_element(scalar_t u, scalar_t v) {
+  using acc_t = at::opmath_type<scalar_t>;
+  return static_cast<scalar_t>(static_cast<acc_t>(u) * static_cast<acc_t>(v));
 }
 
 // ---------------------------------------------------------------------------------------------

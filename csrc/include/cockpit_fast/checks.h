@@ -31,6 +31,30 @@ inline void check_grad(const char* op, const at::Tensor& g, double scale) {
                     scale);
 }
 
+// The two factors (N, p) and (N, q) of per-sample outer products: same N, dtype and device.
+inline void check_factors(const char* op, const at::Tensor& left, const at::Tensor& right,
+                          double scale) {
+  for (const at::Tensor* t : {&left, &right}) {
+    const char* name = t == &left ? "left" : "right";
+    TORCH_CHECK_VALUE(t->dim() == 2, "cockpit_fast.", op, ": ", name,
+                      " must be a 2-d (N, features) tensor, got a ", t->dim(), "-d tensor");
+    const auto dtype = t->scalar_type();
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                          dtype == at::kBFloat16,
+                      "cockpit_fast.", op, ": ", name,
+                      " must be float16, bfloat16, float32 or float64, got ", dtype);
+  }
+  TORCH_CHECK_VALUE(right.device() == left.device(), "cockpit_fast.", op, ": left is on ",
+                    left.device(), " but right is on ", right.device());
+  TORCH_CHECK_VALUE(right.scalar_type() == left.scalar_type(), "cockpit_fast.", op, ": left is ",
+                    left.scalar_type(), " but right is ", right.scalar_type());
+  TORCH_CHECK_VALUE(right.size(0) == left.size(0), "cockpit_fast.", op,
+                    ": left and right must have the same number of samples, got ", left.size(0),
+                    " and ", right.size(0));
+  TORCH_CHECK_VALUE(std::isfinite(scale), "cockpit_fast.", op, ": scale must be finite, got ",
+                    scale);
+}
+
 // A parameter or direction must match g's per-sample shape, device and dtype.
 inline void check_companion(const char* op, const at::Tensor& g, const at::Tensor& other,
                             const char* name) {

@@ -92,6 +92,50 @@ inline PerSampleStatsArgs per_sample_stats_args(const at::Tensor& g, double scal
   return {rows, stats};
 }
 
+// The outer-product histograms: contiguous factors and zeroed int64 counts.
+struct OuterHist1dArgs {
+  at::Tensor left, right, counts;
+};
+
+inline OuterHist1dArgs outer_hist1d_args(const at::Tensor& left, const at::Tensor& right,
+                                         int64_t bins, double lo, double hi, double scale) {
+  check_factors("outer_hist1d", left, right, scale);
+  check_bins("outer_hist1d", bins, "");
+  check_cells("outer_hist1d", bins);
+  check_range("outer_hist1d", lo, hi, "");
+  return {left.contiguous(), right.contiguous(), at::zeros({bins}, left.options().dtype(at::kLong))};
+}
+
+struct OuterHist2dArgs {
+  at::Tensor left, right, param, counts;
+};
+
+inline OuterHist2dArgs outer_hist2d_args(const at::Tensor& left, const at::Tensor& right,
+                                         const at::Tensor& param, int64_t xbins, int64_t ybins,
+                                         double xlo, double xhi, double ylo, double yhi,
+                                         double scale) {
+  check_factors("outer_hist2d", left, right, scale);
+  TORCH_CHECK_VALUE(param.device() == left.device(), "cockpit_fast.outer_hist2d: left is on ",
+                    left.device(), " but param is on ", param.device());
+  TORCH_CHECK_VALUE(param.scalar_type() == left.scalar_type(),
+                    "cockpit_fast.outer_hist2d: left is ", left.scalar_type(), " but param is ",
+                    param.scalar_type());
+  TORCH_CHECK_VALUE(param.dim() == 2 && param.size(0) == left.size(1) &&
+                        param.size(1) == right.size(1),
+                    "cockpit_fast.outer_hist2d: param must have shape (left.shape[1], "
+                    "right.shape[1]) = (",
+                    left.size(1), ", ", right.size(1), "), got ", param.sizes());
+  check_bins("outer_hist2d", xbins, "x ");
+  check_bins("outer_hist2d", ybins, "y ");
+  check_cells("outer_hist2d", xbins);
+  check_cells("outer_hist2d", ybins);
+  check_cells("outer_hist2d", xbins * ybins);
+  check_range("outer_hist2d", xlo, xhi, "x ");
+  check_range("outer_hist2d", ylo, yhi, "y ");
+  return {left.contiguous(), right.contiguous(), param.contiguous(),
+          at::zeros({xbins, ybins}, left.options().dtype(at::kLong))};
+}
+
 // Every op returns its counts as float32, like torch.histc on float32 input.
 inline at::Tensor counts_as_float(const at::Tensor& counts) {
   return counts.to(at::kFloat);
