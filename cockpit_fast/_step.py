@@ -4,12 +4,12 @@ Quantities never read BackPACK buffers themselves. Before the backward pass each
 per-parameter *statistics* it needs (hashable keys, so two quantities asking for the same
 histogram or the same norms share one computation). The :class:`StatisticsHook` runs inside
 BackPACK right after a module's extensions, computes every requested statistic of that module's
-parameters with the fused ops while ``grad_batch`` is hot, and deletes the buffer at once.
+parameters with the fused ops while the per-sample gradients are hot, and deletes them at once.
+Per-sample gradients come either as BackPACK's ``grad_batch`` or, on the factor route, as the
+two factors of Linear and Conv2d weights (:mod:`cockpit_fast.factors`); the results are the same.
 
 Sums (``BATCH_L2``, ``SUM_GRAD_SQUARED``, dot products) stay in BackPACK's units, that of
-``grad_batch = ∇ℓ_n / N`` for a mean loss, so they agree whichever source produced them (the
-fused ops on ``grad_batch`` or BackPACK's own ``BatchL2Grad`` / ``SumGradSquared``); quantities
-rescale them with the batch size. Histograms and abs-maxima see ``N * grad_batch``, i.e. the
+``grad_batch = ∇ℓ_n / N`` for a mean loss; quantities rescale them with the batch size. Histograms and abs-maxima see ``N * grad_batch``, i.e. the
 individual gradients themselves, because their clamping and binning depend on the scale.
 """
 
@@ -19,25 +19,36 @@ from functools import cached_property
 from typing import Callable
 
 import torch
-from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared
+from backpack.extensions import BatchGrad
 
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
+from cockpit_fast.factors import GradBatchFactors, WeightFactors
+
+ROUTES = ("auto", "factors", "grad_batch")
+"""How per-sample statistics are computed: see :func:`extensions_for`."""
 
 
 class HotParameter:
-    """A tracked parameter inside the hook, while its ``grad_batch`` is at hand.
+    """A tracked parameter inside the hook, while its per-sample gradients are at hand.
 
     Args:
         index (int): Position among the tracked parameters.
         param (torch.Tensor): The parameter.
-        grad_batch (torch.Tensor): Its BackPACK ``grad_batch``, detached.
+        grad_batch (torch.Tensor): Per-sample gradients, detached: BackPACK's ``grad_batch`` or
+            a chunk of consecutive samples formed from :class:`~cockpit_fast.factors.WeightFactors`.
+        batch_size (int): Samples in the mini-batch (more than ``grad_batch`` holds for a chunk).
+        grad (torch.Tensor, optional): The mini-batch gradient; summed from ``grad_batch`` if
+            not given.
     """
 
-    def __init__(self, index, param, grad_batch):
+    def __init__(self, index, param, grad_batch, batch_size, grad=None):
         self.index = index
         self.param = param
         self.grad_batch = grad_batch
+        self.batch_size = batch_size
+        if grad is not None:
+            self.grad = grad
 
     @cached_property
     def grad(self):
@@ -51,39 +62,50 @@ class HotParameter:
 class Statistic:
     """A per-parameter statistic of the individual gradients, computed inside the hook."""
 
-    needs_grad_batch = True
-    """Whether it needs the individual gradient elements (else a cheaper BackPACK source exists)."""
+    served_by_factors = True
+    """Whether the factor route can compute it (from factors, or from chunks of samples)."""
 
     def from_grad_batch(self, hot):
-        """Compute the statistic of one :class:`HotParameter`."""
+        """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
         raise NotImplementedError
 
+    def from_factors(self, factors, hot):
+        """Compute it from :class:`~cockpit_fast.factors.WeightFactors`; None: take it from chunks."""
+        return None
 
-class _SquareNorm(Statistic):
-    """A sum of squares that BackPACK can also compute without materialising ``grad_batch``.
+    def merge(self, parts):
+        """Combine the values of consecutive chunks of samples (default: per-sample, concatenated)."""
+        return torch.cat(parts)
 
-    ``name`` is also the savefield of ``extension``, BackPACK's extension computing it.
-    """
 
-    needs_grad_batch = False
-
-    def __init__(self, name, op, extension):
-        self.name, self._op, self._extension = name, op, extension
-
+class _BatchL2(Statistic):
     def __repr__(self):
-        return self.name
+        return "batch_l2"
 
     def from_grad_batch(self, hot):
-        return self._op(hot.grad_batch)
+        return ops.batch_l2(hot.grad_batch)
 
-    def extension(self):
-        """The BackPACK extension that computes this statistic directly."""
-        return self._extension()
+    def from_factors(self, factors, hot):
+        return factors.batch_l2()
 
 
-BATCH_L2 = _SquareNorm("batch_l2", ops.batch_l2, BatchL2Grad)
+class _SumGradSquared(Statistic):
+    def __repr__(self):
+        return "sum_grad_squared"
+
+    def from_grad_batch(self, hot):
+        return ops.sum_grad_squared(hot.grad_batch)
+
+    def from_factors(self, factors, hot):
+        return factors.sum_grad_squared()
+
+    def merge(self, parts):
+        return sum(parts)
+
+
+BATCH_L2 = _BatchL2()
 """(N,) per-sample squared norms of ``grad_batch``."""
-SUM_GRAD_SQUARED = _SquareNorm("sum_grad_squared", ops.sum_grad_squared, SumGradSquared)
+SUM_GRAD_SQUARED = _SumGradSquared()
 """sum_n grad_batch[n]^2, shaped like the parameter."""
 
 
@@ -92,8 +114,13 @@ class _GradAbsMax(Statistic):
         return "grad_abs_max"
 
     def from_grad_batch(self, hot):
-        n = hot.grad_batch.shape[0]
-        return ops.per_sample_stats(hot.grad_batch, n)[:, columns.MAX_ABS].max()
+        return ops.per_sample_stats(hot.grad_batch, hot.batch_size)[:, columns.MAX_ABS].max()
+
+    def from_factors(self, factors, hot):
+        return factors.abs_max(hot.batch_size)
+
+    def merge(self, parts):
+        return torch.stack(parts).max()
 
 
 GRAD_ABS_MAX = _GradAbsMax()
@@ -107,12 +134,17 @@ class _DotMeanGrad(Statistic):
     def from_grad_batch(self, hot):
         return ops.batch_dot(hot.grad_batch, hot.grad)
 
+    def from_factors(self, factors, hot):
+        return factors.dot(hot.grad)
+
 
 DOT_MEAN_GRAD = _DotMeanGrad()
 """(N,) dot products <grad_batch[n], mini-batch gradient>."""
 
 
 class _KeepGradBatch(Statistic):
+    served_by_factors = False  # kept for a later step: it must exist in full
+
     def __repr__(self):
         return "grad_batch"
 
@@ -132,7 +164,13 @@ class Hist1d(Statistic):
     range: tuple
 
     def from_grad_batch(self, hot):
-        return ops.hist1d(hot.grad_batch, self.bins, self.range, scale=hot.grad_batch.shape[0])
+        return ops.hist1d(hot.grad_batch, self.bins, self.range, scale=hot.batch_size)
+
+    def from_factors(self, factors, hot):
+        return factors.hist1d(self.bins, self.range, scale=hot.batch_size)
+
+    def merge(self, parts):
+        return sum(parts)
 
 
 @dataclass(frozen=True)
@@ -143,8 +181,13 @@ class Hist2d(Statistic):
     range: tuple
 
     def from_grad_batch(self, hot):
-        n = hot.grad_batch.shape[0]
-        return ops.hist2d(hot.grad_batch, hot.param.detach(), self.bins, self.range, scale=n)
+        return ops.hist2d(hot.grad_batch, hot.param.detach(), self.bins, self.range, scale=hot.batch_size)
+
+    def from_factors(self, factors, hot):
+        return factors.hist2d(hot.param, self.bins, self.range, scale=hot.batch_size)
+
+    def merge(self, parts):
+        return sum(parts)
 
 
 @dataclass(frozen=True)
@@ -162,25 +205,32 @@ class Projection(Statistic):
     def from_grad_batch(self, hot):
         return ops.batch_dot(hot.grad_batch, self.direction(hot))
 
+    def from_factors(self, factors, hot):
+        return factors.dot(self.direction(hot))
 
-STATISTIC_SOURCES = frozenset({"grad_batch", BATCH_L2.name, SUM_GRAD_SQUARED.name})
+
+STATISTIC_SOURCES = frozenset({"grad_batch", "grad_batch_factors"})
 """BackPACK buffers the hook reads statistics from."""
 
 
-def extensions_for(statistics, params, user_extensions=()):
-    """The cheapest BackPACK extensions from which the hook can compute ``statistics``.
+def extensions_for(statistics, route="auto", user_extensions=()):
+    """The BackPACK extension from which the hook computes ``statistics``.
 
-    Square norms come from BackPACK's own extensions unless ``grad_batch`` is computed anyway, or
-    a parameter is a convolution kernel (more than 2 dimensions): BackPACK computes those norms
-    from unfolded inputs, which costs more than ``grad_batch`` and one fused pass (a step of a
-    small CNN: 52 ms against 33 ms; on an MLP's Linear layers the reverse, 2.7 ms against 49 ms).
+    ``"auto"`` takes the factor route (:class:`~cockpit_fast.factors.GradBatchFactors`) whenever it
+    serves every statistic, else BackPACK's ``BatchGrad``; ``"factors"`` insists on the factor
+    route (ValueError if a statistic needs ``grad_batch`` itself); ``"grad_batch"`` always
+    materialises. Nothing is added when the user computes ``BatchGrad`` anyway.
     """
-    has_grad_batch = any(isinstance(e, BatchGrad) for e in user_extensions)
-    if not statistics or has_grad_batch:
+    if route not in ROUTES:
+        raise ValueError(f"per_sample_route must be one of {ROUTES}, got {route!r}")
+    if not statistics or any(isinstance(e, BatchGrad) for e in user_extensions):
         return []
-    if any(s.needs_grad_batch for s in statistics) or any(p.dim() > 2 for p in params):
+    unserved = sorted(repr(s) for s in statistics if not s.served_by_factors)
+    if route == "factors" and unserved:
+        raise ValueError(f"per_sample_route='factors' cannot compute {unserved}: use 'auto' or 'grad_batch'")
+    if route == "grad_batch" or unserved:
         return [BatchGrad()]
-    return [s.extension() for s in statistics]
+    return [GradBatchFactors()]
 
 
 class StepContext:
@@ -274,9 +324,6 @@ class StatisticsHook:
         self._ctx = ctx
         self._delete_fields = delete_fields
         self._visited = set()
-        requests = ctx.requests
-        self._fused_norms = BATCH_L2 in requests and SUM_GRAD_SQUARED in requests
-        self._others = requests - {BATCH_L2, SUM_GRAD_SQUARED} if self._fused_norms else requests
 
     def __call__(self, module):
         # Containers are visited too; their parameters belong to their leaf modules.
@@ -295,15 +342,40 @@ class StatisticsHook:
 
     def _collect(self, index, param):
         ctx = self._ctx
-        grad_batch = getattr(param, "grad_batch", None)
-        if grad_batch is None:  # only BackPACK's square-norm extensions ran
-            for statistic in self._ctx.requests:
-                ctx.store(statistic, index, getattr(param, statistic.name))
+        source = getattr(param, "grad_batch", None)
+        if source is None:
+            source = getattr(param, "grad_batch_factors", None)
+        if source is None:  # BackPACK has no extension for this layer: per_param() will say so
             return
-        hot = HotParameter(index, param, grad_batch.detach())
-        if self._fused_norms:
-            batch_l2, sum_grad_squared = ops.batch_l2_and_sum_grad_squared(hot.grad_batch)
-            ctx.store(BATCH_L2, index, batch_l2)
-            ctx.store(SUM_GRAD_SQUARED, index, sum_grad_squared)
-        for statistic in self._others:
-            ctx.store(statistic, index, statistic.from_grad_batch(hot))
+        if not isinstance(source, WeightFactors):
+            hot = HotParameter(index, param, source.detach(), source.shape[0])
+            for statistic, value in _from_grad_batch(hot, ctx.requests).items():
+                ctx.store(statistic, index, value)
+            return
+        hot = HotParameter(index, param, None, source.batch_size, grad=source.grad)
+        from_chunks = set()
+        for statistic in ctx.requests:
+            value = statistic.from_factors(source, hot)
+            if value is None:
+                from_chunks.add(statistic)
+            else:
+                ctx.store(statistic, index, value)
+        if from_chunks:
+            parts = defaultdict(list)
+            for chunk in source.chunks():
+                chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=hot.grad)
+                for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
+                    parts[statistic].append(value)
+            for statistic in from_chunks:
+                ctx.store(statistic, index, statistic.merge(parts[statistic]))
+
+
+def _from_grad_batch(hot, statistics):
+    """``statistics`` of ``hot.grad_batch``; both square norms in one fused pass when both are asked."""
+    values = {}
+    if BATCH_L2 in statistics and SUM_GRAD_SQUARED in statistics:
+        values[BATCH_L2], values[SUM_GRAD_SQUARED] = ops.batch_l2_and_sum_grad_squared(hot.grad_batch)
+    for statistic in statistics:
+        if statistic not in values:
+            values[statistic] = statistic.from_grad_batch(hot)
+    return values

@@ -8,7 +8,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast._step import STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
+from cockpit_fast._step import ROUTES, STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
 from cockpit_fast.quantities.quantity import Quantity
 
 _LOG_KEYS = (
@@ -33,16 +33,25 @@ class Cockpit:
         params (iterable): Parameters to track; each must require gradients.
         quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.Quantity`
             instances to track. Defaults to none.
+        per_sample_route (str, optional): Where per-sample statistics come from. ``"auto"``
+            (default): the weights of Linear and Conv2d layers from their input and output
+            gradient without materialising per-sample gradients (:mod:`cockpit_fast.factors`),
+            whenever that serves every statistic of the step, else BackPACK's ``grad_batch``.
+            ``"factors"``: always the former (a step needing ``grad_batch`` itself raises);
+            ``"grad_batch"``: always the latter. Results agree to rounding.
 
     Raises:
-        ValueError: If a parameter does not require gradients.
+        ValueError: If a parameter does not require gradients, or the route is unknown.
     """
 
     BACKPACK_CONV_SAVE_MEMORY = True
     """Let BackPACK use its memory-saving Jacobian products for convolution weights."""
 
-    def __init__(self, params, quantities=None):
+    def __init__(self, params, quantities=None, per_sample_route="auto"):
         self.params = list(params)
+        if per_sample_route not in ROUTES:
+            raise ValueError(f"per_sample_route must be one of {ROUTES}, got {per_sample_route!r}")
+        self.per_sample_route = per_sample_route
         for p in self.params:
             if not p.requires_grad:
                 raise ValueError(f"Got a parameter with requires_grad=False, which cannot be tracked: {p}")
@@ -155,7 +164,7 @@ class _TrackedBackward:
         extensions = _unique_by_type(
             [
                 *user_exts,
-                *extensions_for(ctx.requests, ctx.params, user_exts),
+                *extensions_for(ctx.requests, cockpit.per_sample_route, user_exts),
                 *(e for q in cockpit.quantities for e in q.extensions(step)),
             ]
         )

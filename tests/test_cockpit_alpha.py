@@ -8,13 +8,14 @@ from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.quantities.alpha import _alpha
 from cockpit_fast.utils import schedules as fast_schedules
-from test_cockpit_core import MODELS, assert_same_output, one, side_by_side, train
+from test_cockpit_core import MODELS, ROUTES, assert_same_output, one, side_by_side, train
 
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-def test_alpha_matches_cockpit(optimizer, model_name):
-    expected, actual = side_by_side(one("Alpha"), model_name, steps=4, optimizer=optimizer)
+@pytest.mark.parametrize("route", ROUTES)
+def test_alpha_matches_cockpit(route, optimizer, model_name):
+    expected, actual = side_by_side(one("Alpha"), model_name, steps=4, optimizer=optimizer, route=route)
     assert sorted(actual) == [0, 1, 2]
     assert_same_output(actual, expected, rtol=1e-3, atol=1e-5)
 

@@ -23,6 +23,9 @@ ref_schedules = pytest.importorskip("cockpit.utils.schedules")
 
 BATCH_SIZE = 8
 MODELS = ["mlp", "cnn", "sequence"]
+# cockpit_fast's per-sample routes: factors wherever they serve the step (the default), and
+# BackPACK's materialised grad_batch. Quantities of per-sample gradients are checked on both.
+ROUTES = ["auto", "grad_batch"]
 
 
 def build_model(name):
@@ -47,7 +50,7 @@ def build_model(name):
     return model, input_shape
 
 
-def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", seed=0, drop_info=()):
+def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", seed=0, drop_info=(), **cockpit_kwargs):
     """Train ``steps`` steps under a cockpit; return its output (and the cockpit)."""
     torch.manual_seed(seed)
     model, input_shape = build_model(model_name)
@@ -60,7 +63,7 @@ def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", se
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cp = cockpit_cls(model.parameters(), quantities=make_quantities())
+    cp = cockpit_cls(model.parameters(), quantities=make_quantities(), **cockpit_kwargs)
     data = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
         inputs = torch.randn(BATCH_SIZE, *input_shape, generator=data)
@@ -82,15 +85,21 @@ def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", se
     return cp.get_output(), cp
 
 
-def side_by_side(make, model_name, steps=3, optimizer="sgd", seed=0):
-    """Outputs of Cockpit 1.0.2 and cockpit_fast for ``make(quantities_module, schedules_module)``."""
+def side_by_side(make, model_name, steps=3, optimizer="sgd", seed=0, route="auto"):
+    """Outputs of Cockpit 1.0.2 and cockpit_fast (on ``route``) for ``make(quantities, schedules)``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected, _ = train(
             cockpit.Cockpit, lambda: make(cockpit.quantities, ref_schedules), model_name, steps, optimizer, seed
         )
         actual, _ = train(
-            FastCockpit, lambda: make(fast_quantities, fast_schedules), model_name, steps, optimizer, seed
+            FastCockpit,
+            lambda: make(fast_quantities, fast_schedules),
+            model_name,
+            steps,
+            optimizer,
+            seed,
+            per_sample_route=route,
         )
     return expected, actual
 

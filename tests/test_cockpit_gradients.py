@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cockpit_fast import quantities as fast_quantities
-from test_cockpit_core import MODELS, assert_same_output, one, side_by_side
+from test_cockpit_core import MODELS, ROUTES, assert_same_output, one, side_by_side
 
 # Histogram counts may differ by a few elements sitting on a bin edge, where N * g rounds
 # differently inside the fused kernel than in Cockpit's scaled copy.
@@ -15,44 +15,51 @@ EDGE_COUNTS = 3
 @pytest.mark.parametrize(
     "kwargs", [{}, {"bins": 7, "range": (-0.3, 0.5)}], ids=["default", "narrow"]
 )
-def test_hist1d_matches_cockpit(model_name, kwargs):
-    expected, actual = side_by_side(one("GradHist1d", **kwargs), model_name)
+@pytest.mark.parametrize("route", ROUTES)
+def test_hist1d_matches_cockpit(route, model_name, kwargs):
+    expected, actual = side_by_side(one("GradHist1d", **kwargs), model_name, route=route)
     assert_same_output(actual, expected, max_count_diff=EDGE_COUNTS)
 
 
 @pytest.mark.parametrize("adapt", ["GradAbsMax", "ParamAbsMax"])
-def test_hist1d_bin_adaptation_matches_cockpit(adapt):
+@pytest.mark.parametrize("route", ROUTES)
+def test_hist1d_bin_adaptation_matches_cockpit(route, adapt):
     def make(q, s):
         policy = getattr(q.bin_adaptation, adapt)(s.linear(2), padding=0.1)
         return [q.GradHist1d(s.linear(1), bins=9, adapt=policy)]
 
-    expected, actual = side_by_side(make, "cnn", steps=4)
+    expected, actual = side_by_side(make, "cnn", steps=4, route=route)
     assert_same_output(actual, expected, max_count_diff=EDGE_COUNTS)
     assert actual[3]["GradHist1d"]["edges"][0] != -2  # the range did move
 
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("keep_individual", [False, True])
-def test_hist2d_matches_cockpit(model_name, keep_individual):
+@pytest.mark.parametrize("route", ROUTES)
+def test_hist2d_matches_cockpit(route, model_name, keep_individual):
     expected, actual = side_by_side(
-        one("GradHist2d", bins=(6, 5), range=((-0.5, 0.5), (-1, 1)), keep_individual=keep_individual), model_name
+        one("GradHist2d", bins=(6, 5), range=((-0.5, 0.5), (-1, 1)), keep_individual=keep_individual),
+        model_name,
+        route=route,
     )
     assert_same_output(actual, expected, max_count_diff=EDGE_COUNTS)
 
 
-def test_hist2d_per_axis_adaptation_matches_cockpit():
+@pytest.mark.parametrize("route", ROUTES)
+def test_hist2d_per_axis_adaptation_matches_cockpit(route):
     def make(q, s):
         adapt = (q.bin_adaptation.GradAbsMax(s.linear(1)), q.bin_adaptation.ParamAbsMax(s.linear(2), padding=0.2))
         return [q.GradHist2d(s.linear(1), bins=(8, 4), adapt=adapt)]
 
-    expected, actual = side_by_side(make, "mlp", steps=4)
+    expected, actual = side_by_side(make, "mlp", steps=4, route=route)
     assert_same_output(actual, expected, max_count_diff=EDGE_COUNTS)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("name", ["MeanGSNR", "NormTest", "InnerTest", "OrthoTest"])
-def test_gradient_statistics_match_cockpit(name, model_name):
-    expected, actual = side_by_side(one(name), model_name)
+@pytest.mark.parametrize("route", ROUTES)
+def test_gradient_statistics_match_cockpit(route, name, model_name):
+    expected, actual = side_by_side(one(name), model_name, route=route)
     assert_same_output(actual, expected, rtol=1e-4)
 
 
@@ -86,18 +93,20 @@ def test_statistics_shared_by_quantities_are_computed_once():
     assert ctx.requests == {Hist1d(100, (-2, 2)), BATCH_L2, DOT_MEAN_GRAD}
 
 
-def test_square_norms_alone_come_from_backpacks_cheaper_extensions():
-    from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared
+def test_route_choice():
+    from backpack.extensions import BatchGrad
 
-    from cockpit_fast._step import BATCH_L2, SUM_GRAD_SQUARED, Hist1d, extensions_for
+    from cockpit_fast._step import BATCH_L2, GRAD_BATCH, Hist1d, extensions_for
+    from cockpit_fast.factors import GradBatchFactors
 
-    linear_params = [torch.zeros(4, 3), torch.zeros(4)]
-    conv_params = [torch.zeros(4, 3, 3, 3), torch.zeros(4)]
-    assert [type(e) for e in extensions_for({BATCH_L2, SUM_GRAD_SQUARED}, linear_params)] in (
-        [BatchL2Grad, SumGradSquared],
-        [SumGradSquared, BatchL2Grad],
-    )
-    assert [type(e) for e in extensions_for({BATCH_L2, Hist1d(3, (-1, 1))}, linear_params)] == [BatchGrad]
-    assert extensions_for({BATCH_L2}, linear_params, user_extensions=[BatchGrad()]) == []
-    # On convolution kernels BackPACK's square norms cost more than grad_batch and a fused pass.
-    assert [type(e) for e in extensions_for({BATCH_L2}, conv_params)] == [BatchGrad]
+    served = {BATCH_L2, Hist1d(3, (-1, 1))}
+    assert [type(e) for e in extensions_for(served)] == [GradBatchFactors]
+    assert [type(e) for e in extensions_for(served, "factors")] == [GradBatchFactors]
+    assert [type(e) for e in extensions_for(served, "grad_batch")] == [BatchGrad]
+    assert [type(e) for e in extensions_for(served | {GRAD_BATCH})] == [BatchGrad]
+    with pytest.raises(ValueError, match=r"per_sample_route='factors' cannot compute \['grad_batch'\]"):
+        extensions_for(served | {GRAD_BATCH}, "factors")
+    with pytest.raises(ValueError, match="per_sample_route must be one of"):
+        extensions_for(served, "ghost")
+    assert extensions_for(served, user_extensions=[BatchGrad()]) == []  # computed anyway: read it
+    assert extensions_for(set()) == []

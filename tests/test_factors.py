@@ -1,0 +1,128 @@
+"""The factor route: every statistic of Linear and Conv2d layers equals the materialised route's."""
+
+import pytest
+import torch
+from backpack import backpack, extend
+from backpack.extensions import BatchGrad
+
+from cockpit_fast import factors
+from cockpit_fast._step import (
+    BATCH_L2,
+    DOT_MEAN_GRAD,
+    GRAD_ABS_MAX,
+    STATISTIC_SOURCES,
+    SUM_GRAD_SQUARED,
+    Hist1d,
+    Hist2d,
+    Projection,
+    StatisticsHook,
+    StepContext,
+)
+from conftest import values_near_edges
+
+# (layer, per-sample input shape): 2-d Linear inputs (outer products), extra input dimensions
+# (Gram form for the norms where cheaper, chunks of samples otherwise), convolutions with
+# stride, padding and dilation, and layers the factors do not cover (grad_batch instead).
+LAYERS = {
+    "linear": (lambda: torch.nn.Linear(7, 5), (7,)),
+    "linear_no_bias": (lambda: torch.nn.Linear(9, 4, bias=False), (9,)),
+    "linear_short_sequence": (lambda: torch.nn.Linear(7, 5), (2, 7)),
+    "linear_long_sequence": (lambda: torch.nn.Linear(7, 5), (4, 3, 7)),
+    "conv": (lambda: torch.nn.Conv2d(3, 4, 3), (3, 6, 7)),
+    "conv_strided": (lambda: torch.nn.Conv2d(3, 4, (3, 2), stride=2, padding=1, dilation=(2, 1)), (3, 9, 8)),
+    "conv_groups": (lambda: torch.nn.Conv2d(4, 6, 3, groups=2), (4, 6, 6)),
+    "conv_same": (lambda: torch.nn.Conv2d(3, 4, 3, padding="same"), (3, 5, 5)),
+}
+COVERED = {"linear", "linear_no_bias", "linear_short_sequence", "linear_long_sequence", "conv", "conv_strided"}
+
+
+def statistics_on(layer, inputs, extension, requests):
+    """The hook's results for ``requests`` after one backward pass under ``extension``."""
+    params = list(layer.parameters())
+    ctx = StepContext(0, params, {})
+    ctx.requests.update(requests)
+    sources = []
+    hook = StatisticsHook(ctx, STATISTIC_SOURCES)
+
+    def spy(module):  # what the hook is handed, before it frees it
+        sources.extend(type(getattr(p, extension.savefield, None)) for p in module.parameters())
+        hook(module)
+
+    layer.zero_grad()
+    with backpack(extension, extension_hook=spy):
+        (layer(inputs) ** 2).mean(0).sum().backward()  # a mean over samples, as a training loss
+    assert all(not hasattr(p, extension.savefield) for p in params)  # freed by the hook
+    return {s: ctx.per_param(s) for s in requests}, sources
+
+
+def requests_for(grad_batches, params):
+    """Every statistic kind, histogram ranges chosen so that some values are clamped."""
+    n = grad_batches[0].shape[0]
+    largest = max(float((n * g).abs().max()) for g in grad_batches)
+    directions = [torch.randn_like(p) for p in params]
+    projection = Projection("test", "random", lambda hot: directions[hot.index])
+    hist1d = Hist1d(23, (-0.6 * largest, 0.5 * largest))
+    hist2d = Hist2d((9, 7), ((-0.5 * largest, 0.7 * largest), (-0.3, 0.3)))
+    return [BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, projection, hist1d, hist2d]
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 6])
+def test_factor_route_equals_materialised_route(layer_name, dtype, n, monkeypatch):
+    monkeypatch.setattr(factors, "CHUNK_VALUES", 150)  # several chunks of samples per layer
+    make, input_shape = LAYERS[layer_name]
+    torch.manual_seed(n)
+    layer = extend(make().to(dtype))
+    inputs = torch.randn(n, *input_shape, dtype=dtype)
+    params = list(layer.parameters())
+
+    with backpack(BatchGrad()):
+        (layer(inputs) ** 2).mean(0).sum().backward()
+    grad_batches = [p.grad_batch.clone() for p in params]
+    for p in params:
+        del p.grad_batch
+    requests = requests_for(grad_batches, params)
+
+    materialised, _ = statistics_on(layer, inputs, BatchGrad(), requests)
+    factored, sources = statistics_on(layer, inputs, factors.GradBatchFactors(), requests)
+    assert (factors.WeightFactors in sources) == (layer_name in COVERED)
+
+    rtol = 1e-5 if dtype == torch.float32 else 1e-10
+    outer = layer_name in ("linear", "linear_no_bias")
+    for statistic in requests:
+        for i, (expected, actual) in enumerate(zip(materialised[statistic], factored[statistic])):
+            if isinstance(statistic, (Hist1d, Hist2d)):
+                if outer:  # the very products BackPACK forms: the same counts
+                    assert torch.equal(actual, expected), (statistic, i)
+                    continue
+                assert actual.sum() == expected.sum()
+                lo, hi = statistic.range if isinstance(statistic, Hist1d) else statistic.range[0]
+                bins = statistic.bins if isinstance(statistic, Hist1d) else statistic.bins[0]
+                near = values_near_edges(n * grad_batches[i], lo, hi, bins, tol=1e-3)
+                assert (actual - expected).abs().sum() <= 2 * near, (statistic, i)
+            else:
+                torch.testing.assert_close(actual, expected, rtol=rtol, atol=1e-12, msg=f"{statistic} of parameter {i}")
+
+
+def test_outer_product_route_forms_no_per_sample_gradient(monkeypatch):
+    def no_chunks(self):
+        raise AssertionError("a per-sample gradient was formed")
+
+    monkeypatch.setattr(factors.WeightFactors, "chunks", no_chunks)
+    layer = extend(torch.nn.Linear(30, 20))
+    inputs = torch.randn(16, 30)
+    params = list(layer.parameters())
+    requests = requests_for([torch.ones(16, 1)], params)
+    values, sources = statistics_on(layer, inputs, factors.GradBatchFactors(), requests)
+    assert sources[0] is factors.WeightFactors  # the weight; the bias keeps its (N, out) grad_batch
+    assert values[BATCH_L2][0].shape == (16,)
+
+
+def test_chunks_bound_what_is_formed_at_once(monkeypatch):
+    monkeypatch.setattr(factors, "CHUNK_VALUES", 100)
+    a, delta = torch.randn(10, 3, 7), torch.randn(10, 3, 5)
+    weight_factors = factors.WeightFactors(a, delta, torch.Size([5, 7]))
+    chunks = list(weight_factors.chunks())
+    assert [c.shape[0] for c in chunks] == [2, 2, 2, 2, 2]
+    torch.testing.assert_close(torch.cat(chunks), torch.einsum("nto,nti->noi", delta, a))
