@@ -65,6 +65,18 @@ class Statistic:
     served_by_factors = True
     """Whether the factor route can compute it (from factors, or from chunks of samples)."""
 
+    reduction = "sum"
+    """How ranks combine it (:mod:`cockpit_fast.distributed`): ``"sum"``, ``"max"``,
+    ``"per_sample"`` (concatenated in rank order), or None where it cannot be combined."""
+
+    sample_power = 0
+    """k such that it is in units of ``(1/N)^k`` through ``grad_batch = ∇ℓ_n / N``: what the
+    batch size of one rank is exchanged for the global one with."""
+
+    uses_mean_grad = False
+    """Whether it reads the mini-batch gradient, which under ``torch.distributed`` is known only
+    after every rank's gradient is combined: such statistics wait for it."""
+
     def from_grad_batch(self, hot):
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
         raise NotImplementedError
@@ -79,6 +91,8 @@ class Statistic:
 
 
 class _BatchL2(Statistic):
+    reduction, sample_power = "per_sample", 2
+
     def __repr__(self):
         return "batch_l2"
 
@@ -90,6 +104,8 @@ class _BatchL2(Statistic):
 
 
 class _SumGradSquared(Statistic):
+    sample_power = 2
+
     def __repr__(self):
         return "sum_grad_squared"
 
@@ -110,6 +126,8 @@ SUM_GRAD_SQUARED = _SumGradSquared()
 
 
 class _GradAbsMax(Statistic):
+    reduction = "max"
+
     def __repr__(self):
         return "grad_abs_max"
 
@@ -128,6 +146,8 @@ GRAD_ABS_MAX = _GradAbsMax()
 
 
 class _DotMeanGrad(Statistic):
+    reduction, sample_power, uses_mean_grad = "per_sample", 1, True
+
     def __repr__(self):
         return "dot_mean_grad"
 
@@ -144,6 +164,7 @@ DOT_MEAN_GRAD = _DotMeanGrad()
 
 class _KeepGradBatch(Statistic):
     served_by_factors = False  # kept for a later step: it must exist in full
+    reduction = None  # one rank's samples only
 
     def __repr__(self):
         return "grad_batch"
@@ -195,12 +216,19 @@ class Projection(Statistic):
     """(N,) dot products of ``grad_batch`` with a direction known only to its ``owner``.
 
     ``direction(hot)`` returns the direction for one :class:`HotParameter`; two projections are
-    the same computation when owner and label agree.
+    the same computation when owner and label agree. ``uses_mean_grad``: whether the direction
+    is built from ``hot.grad``.
     """
 
     owner: object
     label: str
     direction: Callable = field(compare=False, repr=False)
+    uses_mean_grad: bool = field(default=False, compare=False)
+    reduction = "per_sample"
+    sample_power = 1
+
+    def __repr__(self):  # the same in every process (no object address): orders reductions
+        return f"projection({type(self.owner).__name__}, {self.label!r})"
 
     def from_grad_batch(self, hot):
         return ops.batch_dot(hot.grad_batch, self.direction(hot))
@@ -236,19 +264,41 @@ def extensions_for(statistics, route="auto", user_extensions=()):
 class StepContext:
     """Everything one tracked step knows: step, parameters, user info and computed statistics.
 
+    Under ``torch.distributed`` (``group`` given), :func:`cockpit_fast.distributed.reduce_step`
+    turns what this rank saw into what the global batch gives before any quantity reads it: the
+    statistics, ``info``'s batch size, loss and individual losses, the mini-batch gradient and
+    the diagonal curvatures.
+
     Args:
         global_step (int): The step being tracked.
         params (list[torch.Tensor]): The tracked parameters, in output order.
         info (dict): What the user handed to ``cockpit(..., info=...)``.
+        group (optional): The process group the statistics are reduced over; None: this process.
     """
 
-    def __init__(self, global_step, params, info):
+    def __init__(self, global_step, params, info, group=None):
         self.global_step = global_step
         self.params = params
         self._info = info
+        self.group = group
         self._index = {id(p): i for i, p in enumerate(params)}
         self.requests = set()
         self._results = defaultdict(dict)
+        self.local_batch_size = None  # samples of this rank, as the hook saw them
+        self.local_grads = {}  # index -> this rank's gradient (distributed only)
+        self.deferred = {}  # index -> (param, source) of statistics waiting for the global gradient
+        self._global_grads = None
+        self._curvatures = {}
+        self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
+
+    def differentiable_grads(self):
+        """Gradients that still carry their graph (``create_graph=True``): ``param.grad``, or this
+        rank's own gradients under ``torch.distributed``. None where a parameter has none."""
+        if self.group is None:
+            grads = [p.grad for p in self.params]
+        else:
+            grads = [self.local_grads.get(i) for i in range(len(self.params))]
+        return [g if g is not None and g.grad_fn is not None else None for g in grads]
 
     def info(self, name, quantity):
         """The ``info`` entry ``name``; a KeyError names the entry and the quantity needing it."""
@@ -262,6 +312,10 @@ class StepContext:
     def has_info(self, name):
         """Whether the user handed in the ``info`` entry ``name``."""
         return name in self._info
+
+    def replace_info(self, **entries):
+        """Replace ``info`` entries by their values for the global batch."""
+        self._info = {**self._info, **entries}
 
     def loss(self, quantity):
         """The mini-batch loss from ``info['loss']``; it must be a scalar tensor."""
@@ -278,6 +332,10 @@ class StepContext:
         """Record ``statistic`` of the ``index``-th parameter."""
         self._results[statistic][index] = value
 
+    def results(self):
+        """``{statistic: {index: value}}`` of everything computed so far."""
+        return self._results
+
     def per_param(self, statistic):
         """``statistic`` of every tracked parameter, in parameter order."""
         values = self._results.get(statistic, {})
@@ -293,8 +351,14 @@ class StepContext:
         """``statistic`` summed over the tracked parameters."""
         return sum(self.per_param(statistic))
 
+    def set_global_grads(self, grads):
+        """The mini-batch gradients of the global batch, from the distributed reduction."""
+        self._global_grads = grads
+
     def grads(self):
-        """Mini-batch gradients of the tracked parameters."""
+        """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
+        if self._global_grads is not None:
+            return self._global_grads
         return [p.grad.detach() for p in self.params]
 
     def flat_grad(self):
@@ -304,6 +368,16 @@ class StepContext:
     def grad_l2_squared(self):
         """Squared norm of the mini-batch gradient over all tracked parameters (0-dim tensor)."""
         return sum((g**2).sum() for g in self.grads())
+
+    def set_curvature(self, name, values):
+        """The diagonal curvature ``name`` of the global batch, from the distributed reduction."""
+        self._curvatures[name] = values
+
+    def curvature(self, name):
+        """The diagonal curvature BackPACK stored as ``name``, of every tracked parameter."""
+        if name in self._curvatures:
+            return self._curvatures[name]
+        return [getattr(p, name).detach() for p in self.params]
 
 
 def flatten(tensors):
@@ -347,27 +421,49 @@ class StatisticsHook:
             source = getattr(param, "grad_batch_factors", None)
         if source is None:  # BackPACK has no extension for this layer: per_param() will say so
             return
-        if not isinstance(source, WeightFactors):
-            hot = HotParameter(index, param, source.detach(), source.shape[0])
-            for statistic, value in _from_grad_batch(hot, ctx.requests).items():
-                ctx.store(statistic, index, value)
-            return
-        hot = HotParameter(index, param, None, source.batch_size, grad=source.grad)
-        from_chunks = set()
-        for statistic in ctx.requests:
-            value = statistic.from_factors(source, hot)
-            if value is None:
-                from_chunks.add(statistic)
-            else:
-                ctx.store(statistic, index, value)
-        if from_chunks:
-            parts = defaultdict(list)
-            for chunk in source.chunks():
-                chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=hot.grad)
-                for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
-                    parts[statistic].append(value)
-            for statistic in from_chunks:
-                ctx.store(statistic, index, statistic.merge(parts[statistic]))
+        ctx.local_batch_size = source.batch_size if isinstance(source, WeightFactors) else source.shape[0]
+        now = ctx.requests
+        if ctx.group is not None:  # statistics of the mini-batch gradient wait for the global one
+            later = {s for s in now if s.uses_mean_grad}
+            if later:
+                ctx.deferred[index] = (param, source)
+            now = now - later
+        for statistic, value in compute_statistics(index, param, source, now).items():
+            ctx.store(statistic, index, value)
+
+
+def compute_statistics(index, param, source, statistics, grad=None):
+    """``statistics`` of the ``index``-th parameter from its per-sample gradients.
+
+    Args:
+        source: BackPACK's ``grad_batch`` tensor, or :class:`~cockpit_fast.factors.WeightFactors`.
+        grad (torch.Tensor, optional): The mini-batch gradient statistics read as ``hot.grad``;
+            by default this process's own, summed from ``source``.
+
+    Returns:
+        dict: statistic -> value.
+    """
+    if not statistics:
+        return {}
+    if not isinstance(source, WeightFactors):
+        return _from_grad_batch(HotParameter(index, param, source.detach(), source.shape[0], grad=grad), statistics)
+    hot = HotParameter(index, param, None, source.batch_size, grad=source.grad if grad is None else grad)
+    values, from_chunks = {}, set()
+    for statistic in statistics:
+        value = statistic.from_factors(source, hot)
+        if value is None:
+            from_chunks.add(statistic)
+        else:
+            values[statistic] = value
+    if from_chunks:
+        parts = defaultdict(list)
+        for chunk in source.chunks():
+            chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=hot.grad)
+            for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
+                parts[statistic].append(value)
+        for statistic in from_chunks:
+            values[statistic] = statistic.merge(parts[statistic])
+    return values
 
 
 def _from_grad_batch(hot, statistics):

@@ -4,11 +4,14 @@ import os
 from collections import defaultdict
 
 import json_tricks
+import torch.distributed
 from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
 from cockpit_fast._step import ROUTES, STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
+from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
+from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import Quantity
 
 _LOG_KEYS = (
@@ -39,6 +42,12 @@ class Cockpit:
             whenever that serves every statistic of the step, else BackPACK's ``grad_batch``.
             ``"factors"``: always the former (a step needing ``grad_batch`` itself raises);
             ``"grad_batch"``: always the latter. Results agree to rounding.
+        process_group (optional): Under ``torch.distributed``, the processes whose samples form
+            the global batch; every quantity is then that of the global batch
+            (:mod:`cockpit_fast.distributed`). Defaults to the world group when
+            ``torch.distributed`` is initialised when the cockpit is made.
+        log_all_ranks (bool, optional): Let every process write logs, not only rank 0; each
+            then writes ``<logpath>_rank<r>.json``. Defaults to ``False``.
 
     Raises:
         ValueError: If a parameter does not require gradients, or the route is unknown.
@@ -47,8 +56,10 @@ class Cockpit:
     BACKPACK_CONV_SAVE_MEMORY = True
     """Let BackPACK use its memory-saving Jacobian products for convolution weights."""
 
-    def __init__(self, params, quantities=None, per_sample_route="auto"):
+    def __init__(self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False):
         self.params = list(params)
+        self.process_group = resolve_group(process_group)
+        self.log_all_ranks = log_all_ranks
         if per_sample_route not in ROUTES:
             raise ValueError(f"per_sample_route must be one of {ROUTES}, got {per_sample_route!r}")
         self.per_sample_route = per_sample_route
@@ -90,10 +101,18 @@ class Cockpit:
         info = {} if info is None else info
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
-        return _TrackedBackward(self, StepContext(global_step, self.params, info), exts, debug)
+        return _TrackedBackward(self, StepContext(global_step, self.params, info, self.process_group), exts, debug)
 
-    def _track(self, ctx, buffers):
+    def _reduces(self, global_step):
+        """Whether ``global_step`` combines the processes' batches (some quantity reads them)."""
+        if self.process_group is None:
+            return False
+        return any(q.READS_BATCH and q.should_compute(global_step) for q in self.quantities)
+
+    def _track(self, ctx, buffers, curvature_names):
         """Let every quantity track ``ctx``; free ``buffers`` before those that need a clean graph."""
+        if self._reduces(ctx.global_step):
+            reduce_step(ctx, curvature_names)
         late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
         for q in self.quantities:
             if not q.RUNS_AFTER_CLEANUP:
@@ -143,8 +162,21 @@ class Cockpit:
                 self.output[step][name] = value
         return self.output
 
+    def is_writer(self):
+        """Whether this process writes logs: always, but under ``torch.distributed`` rank 0 only
+        unless ``log_all_ranks``."""
+        return is_writer(self.process_group, self.log_all_ranks)
+
     def write(self, logpath):
-        """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads."""
+        """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
+
+        Under ``torch.distributed`` only rank 0 writes, unless ``log_all_ranks``: then rank r
+        writes ``logpath + f'_rank{r}.json'``.
+        """
+        if not self.is_writer():
+            return
+        if self.process_group is not None and self.log_all_ranks:
+            logpath = f"{logpath}_rank{torch.distributed.get_rank(self.process_group)}"
         path = logpath + ".json"
         print(f"[cockpit] writing output to {path}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -168,6 +200,10 @@ class _TrackedBackward:
                 *(e for q in cockpit.quantities for e in q.extensions(step)),
             ]
         )
+        self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
+        self._capture = None
+        if cockpit._reduces(step):
+            self._capture = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(step))
         kept = {e.savefield for e in user_exts}
         # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.
         self._buffers = {e.savefield for e in extensions} - kept
@@ -189,8 +225,11 @@ class _TrackedBackward:
     def __exit__(self, exc_type, exc, traceback):
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
+        if self._capture is not None:
+            self._capture.remove()
+            self._ctx.local_grads = self._capture.grads
         if exc_type is None:
-            self._cockpit._track(self._ctx, self._buffers)
+            self._cockpit._track(self._ctx, self._buffers, self._curvature_names)
         else:
             self._cockpit._free(self._buffers)
 

@@ -28,6 +28,10 @@ from cockpit_fast.gradient_metrics.per_sample import (
 class GradientMetricCollector:
     """Computes gradient metrics for every sample of a batch.
 
+    Under ``torch.distributed`` each process gets the rows of its own samples only: the metrics
+    are per sample, so nothing is exchanged, and the first call says so once (a RuntimeWarning).
+    Gather the rows yourself (``torch.distributed.all_gather``) to see the global batch.
+
     Args:
         metrics: A :class:`GradientMetric` or a non-empty list of them.
 
@@ -74,6 +78,12 @@ class GradientMetricCollector:
         if loss.shape[0] == 0:
             raise RuntimeError("'loss' holds no samples, so there are no per-sample metrics to stack")
         self.reset()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            warn_once(
+                "GradientMetricCollector: under torch.distributed each process returns the rows of its "
+                f"own samples only (rank {torch.distributed.get_rank()} of "
+                f"{torch.distributed.get_world_size()}); nothing is gathered across processes"
+            )
         try:
             grads = per_sample_gradients(loss, self._params, retain_graph)
         except RuntimeError as error:

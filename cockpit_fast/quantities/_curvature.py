@@ -20,7 +20,3 @@ def curvature_extension(name):
     """A fresh BackPACK extension computing the diagonal curvature ``name``."""
     return CURVATURE_EXTENSIONS[name]()
 
-
-def diag_curvature(ctx, name):
-    """The diagonal curvature ``name`` of every tracked parameter (BackPACK stores it under it)."""
-    return [getattr(p, name).detach() for p in ctx.params]

@@ -51,16 +51,29 @@ class Alpha(Quantity):
         if self.is_start(step):
             start = _StartPoint(self._sgd_learning_rates(ctx))
             self._starts.put(step, start)
-            wanted.add(Projection(self, "start", start.sgd_direction) if start.sgd else GRAD_BATCH)
+            wanted.add(self._start_projection(start) if start.sgd else GRAD_BATCH)
         return wanted
+
+    def _start_projection(self, start):
+        """Projections on plain SGD's update, -lr times the mini-batch gradient."""
+        return Projection(self, "start", start.sgd_direction, uses_mean_grad=True)
 
     def _sgd_learning_rates(self, ctx):
         """Per-parameter learning rates if the update is plain SGD's, else None."""
         if not ctx.has_info("optimizer"):
+            if ctx.group is not None:
+                raise ValueError("Alpha under torch.distributed needs info['optimizer'] (plain SGD)")
             warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
             return None
         optimizer = ctx.info("optimizer", self)
-        return learning_rates(optimizer) if is_plain_sgd(optimizer) else None
+        if is_plain_sgd(optimizer):
+            return learning_rates(optimizer)
+        if ctx.group is not None:
+            raise ValueError(
+                "Alpha under torch.distributed supports SGD without momentum or weight decay only: with "
+                f"{type(optimizer).__name__} it would keep each process's individual gradients for the next step"
+            )
+        return None
 
     def track(self, ctx):
         step = ctx.global_step
@@ -134,7 +147,7 @@ class _StartPoint:
 
     def observe(self, ctx, quantity):
         """Take the start's loss information and, without SGD, what to project at the end."""
-        dots = ctx.summed(Projection(quantity, "start", self.sgd_direction)) if self.sgd else None
+        dots = ctx.summed(quantity._start_projection(self)) if self.sgd else None
         self.observation = _Observation(ctx, quantity, dots)
         if not self.sgd:
             self.params = [p.detach().clone() for p in ctx.params]

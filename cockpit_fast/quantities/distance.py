@@ -10,6 +10,8 @@ class Distance(Quantity):
     The parameters are copied at step 0, whatever the schedule; step 0 must be tracked.
     """
 
+    READS_BATCH = False  # parameters and time are the same in every process
+
     INIT_GLOBAL_STEP = 0
 
     def __init__(self, track_schedule, verbose=False):

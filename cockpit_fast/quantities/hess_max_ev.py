@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import torch
 
+from cockpit_fast.distributed import global_mean, same_everywhere
 from cockpit_fast.quantities.quantity import Quantity
 
 
@@ -32,26 +33,30 @@ class HessMaxEV(Quantity):
         return self.should_compute(global_step)
 
     def _compute(self, ctx):
-        grads = [p.grad for p in ctx.params]
-        if any(g is None or g.grad_fn is None for g in grads):
+        grads = ctx.differentiable_grads()
+        if any(g is None for g in grads):
             raise RuntimeError("HessMaxEV needs loss.backward(create_graph=cockpit.create_graph(global_step))")
 
         def hvp(vectors):
-            return torch.autograd.grad(grads, ctx.params, grad_outputs=vectors, retain_graph=True)
+            # Under torch.distributed: each rank's product, combined into the global batch's.
+            return global_mean(torch.autograd.grad(grads, ctx.params, grad_outputs=vectors, retain_graph=True), ctx)
 
         if self._use_power:
-            return np.float64(self._power_iteration(hvp, ctx.params).item())
-        return np.float64(self._lanczos(hvp, ctx.params))
+            start = same_everywhere([torch.rand_like(p) for p in ctx.params], ctx.group)
+            return np.float64(self._power_iteration(hvp, start).item())
+        # Processes must iterate in step: one start for all (ARPACK's own otherwise).
+        start = None if ctx.group is None else same_everywhere([torch.rand_like(p) for p in ctx.params], ctx.group)
+        return np.float64(self._lanczos(hvp, ctx.params, start))
 
-    def _power_iteration(self, hvp, params):
-        """Largest eigenvalue from a random start; warns if it has not converged."""
+    def _power_iteration(self, hvp, start):
+        """Largest eigenvalue from the random vectors ``start``; warns if it has not converged."""
 
         def normalized(vectors):
             norm = torch.sqrt(sum((v**2).sum() for v in vectors))
             return [v / norm for v in vectors]
 
-        vectors = normalized([torch.rand_like(p) for p in params])
-        eigenvalue = torch.tensor([float("inf")], device=params[0].device)
+        vectors = normalized(start)
+        eigenvalue = torch.tensor([float("inf")], device=start[0].device)
         for _ in range(self.MAX_ITERATIONS):
             products = hvp(vectors)
             estimate = sum((v * hv).sum() for v, hv in zip(vectors, products))
@@ -63,7 +68,7 @@ class HessMaxEV(Quantity):
         return eigenvalue
 
     @staticmethod
-    def _lanczos(hvp, params):
+    def _lanczos(hvp, params, start=None):
         from scipy.sparse.linalg import LinearOperator, eigsh
 
         shapes = [p.shape for p in params]
@@ -77,4 +82,5 @@ class HessMaxEV(Quantity):
 
         dim = sum(sizes)
         operator = LinearOperator((dim, dim), matvec=matvec, dtype=np.float32)
-        return eigsh(operator, k=1, which="LA", return_eigenvectors=False)[0]
+        v0 = None if start is None else torch.cat([s.flatten() for s in start]).cpu().double().numpy()
+        return eigsh(operator, k=1, which="LA", v0=v0, return_eigenvectors=False)[0]

@@ -1,6 +1,6 @@
 """Trace of the Hessian or of a diagonal approximation to it."""
 
-from cockpit_fast.quantities._curvature import check_curvature, curvature_extension, diag_curvature
+from cockpit_fast.quantities._curvature import check_curvature, curvature_extension
 from cockpit_fast.quantities.quantity import Quantity
 
 
@@ -25,4 +25,4 @@ class HessTrace(Quantity):
         return [curvature_extension(self._curvature)] if self.should_compute(global_step) else []
 
     def _compute(self, ctx):
-        return [diag.sum() for diag in diag_curvature(ctx, self._curvature)]
+        return [diag.sum() for diag in ctx.curvature(self._curvature)]

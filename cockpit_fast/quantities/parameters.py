@@ -6,6 +6,8 @@ from cockpit_fast.quantities.quantity import Quantity
 class Parameters(Quantity):
     """Tracks the values of every parameter, as nested lists (one per parameter)."""
 
+    READS_BATCH = False  # parameters and time are the same in every process
+
     def _compute(self, ctx):
         # Host copies: a long run must not pile parameter snapshots up in device memory.
         return [p.detach().to("cpu", copy=True) for p in ctx.params]

@@ -20,6 +20,10 @@ class Quantity:
     RUNS_AFTER_CLEANUP = False
     """Whether :meth:`track` runs after BackPACK's buffers are freed, with BackPACK disabled."""
 
+    READS_BATCH = True
+    """Whether it reads the mini-batch (statistics, gradient, loss, curvature): under
+    ``torch.distributed`` the steps it computes on combine every process's batch."""
+
     def __init__(self, track_schedule, verbose=False):
         self._track_schedule = track_schedule
         self._verbose = verbose

@@ -16,6 +16,8 @@ class UpdateSize(Quantity):
     Parameters are copied at every scheduled step t and compared at step t + 1.
     """
 
+    READS_BATCH = False  # parameters and time are the same in every process
+
     def __init__(self, track_schedule, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
         self._start = StepCache()

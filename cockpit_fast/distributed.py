@@ -1,0 +1,264 @@
+"""Statistics of the global batch when training runs in several processes (``torch.distributed``).
+
+Each rank's backward pass sees its own samples only: BackPACK's ``grad_batch`` there is
+``∇ℓ_n / N_r`` with ``N_r`` the rank's batch size, and its statistics, loss and gradient are
+those of its shard. :func:`reduce_step` turns them into those of the global batch (the
+concatenation of every rank's samples, ``N = sum_r N_r``) before any quantity reads them, so
+every quantity equals that of one process on the concatenated batch, whatever the batch size of
+each rank. A step's reductions travel in four collectives, each over one flat buffer:
+
+1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
+2. ``all_reduce(SUM)`` of everything that adds up: the gradient sum ``sum_n ∇ℓ_n``, summed
+   statistics back in units of ``∇ℓ_n`` (histograms, sums of squared gradients), the loss
+   times ``N_r``, diagonal curvatures times ``N_r``;
+3. ``all_gather`` of per-sample values (squared norms, projections, individual losses), taken to
+   the global batch's units first and concatenated in rank order;
+4. ``all_reduce(MAX)`` of the abs-maxima that bin adaptation asks for.
+
+Statistics that read the mini-batch gradient (dot products with it, plain SGD's update in Alpha)
+are computed between 2 and 3, from the per-sample gradients the hook kept for them.
+
+The gradient is this rank's own, captured by a tensor hook as the backward pass produces it, not
+``param.grad``, which DistributedDataParallel overwrites with the plain average over ranks (not
+the global mean when batch sizes differ). A step that reduces therefore communicates one more
+gradient-sized buffer than DistributedDataParallel does (see ``benchmarks/bench_distributed.py``).
+"""
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from cockpit_fast._step import compute_statistics
+
+
+def resolve_group(process_group):
+    """The group to reduce over: ``process_group``, else the world group when ``torch.distributed``
+    is initialised; None when there is no other process to reduce with."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def is_writer(process_group, all_ranks=False):
+    """Whether this process writes logs and plots: rank 0 of the group only, unless ``all_ranks``."""
+    return all_ranks or process_group is None or dist.get_rank(process_group) == 0
+
+
+class GradientCapture:
+    """Keeps this rank's gradient of every tracked parameter from one backward pass.
+
+    Tensor hooks see the gradient before it is accumulated into ``param.grad`` (where
+    DistributedDataParallel averages it in place), so the copy is the rank's own.
+
+    Args:
+        params (list[torch.Tensor]): The tracked parameters.
+        keep_graph (bool): Keep the gradient's graph (for Hessian-vector products).
+    """
+
+    def __init__(self, params, keep_graph):
+        self.grads = {}
+        self._handles = [p.register_hook(self._keeper(i, keep_graph)) for i, p in enumerate(params)]
+
+    def _keeper(self, index, keep_graph):
+        def keep(grad):
+            self.grads[index] = grad if keep_graph else grad.detach().clone()
+
+        return keep
+
+    def remove(self):
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def reduce_step(ctx, curvature_names=()):
+    """Turn ``ctx`` (a :class:`~cockpit_fast._step.StepContext` with a ``group``) into the
+    global batch's step, in place.
+
+    Args:
+        ctx: The step; its ``local_grads`` hold this rank's gradients.
+        curvature_names (iterable[str]): BackPACK savefields of diagonal curvatures this step
+            computed (``diag_h``, ...), combined as means over the global batch.
+
+    Raises:
+        ValueError: If this rank's batch size is unknown, a statistic cannot be combined, or the
+            ranks' steps do not match (checked before any buffer is exchanged).
+    """
+    group, params = ctx.group, ctx.params
+    local_n = _local_batch_size(ctx)
+    statistics = _in_agreed_order(ctx.requests)
+    unreducible = [repr(s) for s in statistics if s.reduction is None]
+    if unreducible:
+        raise ValueError(f"{unreducible} cannot be combined across processes")
+    curvature_names = [name for name in curvature_names if all(hasattr(p, name) for p in params)]
+    has_loss, has_losses = ctx.has_info("loss"), ctx.has_info("individual_losses")
+    results = ctx.results()
+
+    # 1. Batch sizes, and a checksum of the layout every buffer below has: ranks that track
+    # different things would otherwise exchange misaligned numbers.
+    layout = [
+        [(repr(s), sorted(results.get(s, {}))) for s in statistics],
+        curvature_names,
+        [tuple(p.shape) for p in params],
+        has_loss,
+        has_losses,
+    ]
+    mine = torch.tensor([local_n, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=params[0].device)
+    every = _all_gather(mine, group).tolist()
+    if len({checksum for _, checksum in every}) != 1:
+        raise ValueError("the processes track different quantities or parameters at this step: every rank must track the same")
+    sizes = [n for n, _ in every]
+    global_n = sum(sizes)
+    ctx.rank_share = local_n / global_n
+
+    def values_of(reduction):
+        return [(s, i) for s in statistics if s.reduction == reduction for i in sorted(results.get(s, {}))]
+
+    # 2. Sums, in units of the individual gradients ∇ℓ_n: rank batch sizes cancel.
+    summed = values_of("sum")
+    parts = []
+    for index, p in enumerate(params):
+        grad = ctx.local_grads.get(index)  # None: the parameter got no gradient on this rank
+        parts.append(local_n * (grad.detach() if grad is not None else torch.zeros_like(p)))
+    parts += [local_n**s.sample_power * results[s][i] for s, i in summed]
+    parts += [local_n * getattr(p, name).detach() for name in curvature_names for p in params]
+    if has_loss:
+        parts.append(local_n * ctx.loss(_REDUCTION))
+    totals = iter(_unflatten(_all_reduce(parts, dist.ReduceOp.SUM, group), parts))
+    ctx.set_global_grads([next(totals) / global_n for _ in params])
+    for s, i in summed:
+        results[s][i] = next(totals) / global_n**s.sample_power
+    for name in curvature_names:
+        ctx.set_curvature(name, [next(totals) / global_n for _ in params])
+    if has_loss:
+        ctx.replace_info(loss=next(totals) / global_n)
+
+    # Statistics that read the mini-batch gradient, now that it is the global one.
+    later = {s for s in statistics if s.uses_mean_grad}
+    grads = ctx.grads()
+    for index, (param, source) in sorted(ctx.deferred.items()):
+        for statistic, value in compute_statistics(index, param, source, later, grad=grads[index]).items():
+            ctx.store(statistic, index, value)
+    ctx.deferred.clear()
+
+    # 3. Per-sample values in the global batch's units, concatenated in rank order.
+    per_sample = values_of("per_sample")
+    pieces = [(local_n / global_n) ** s.sample_power * results[s][i] for s, i in per_sample]
+    if has_losses:
+        pieces.append(ctx.info("individual_losses", _REDUCTION).detach().reshape(-1))
+    if pieces:
+        gathered = iter(_gather_per_sample(pieces, sizes, group))
+        for s, i in per_sample:
+            results[s][i] = next(gathered)
+        if has_losses:
+            ctx.replace_info(individual_losses=next(gathered))
+
+    # 4. Maxima.
+    maxima = values_of("max")
+    if maxima:
+        largest = iter(_all_reduce([results[s][i].reshape(1) for s, i in maxima], dist.ReduceOp.MAX, group))
+        for s, i in maxima:
+            results[s][i] = next(largest)
+    ctx.replace_info(batch_size=global_n)
+
+
+def _in_agreed_order(statistics):
+    """``statistics`` in an order every process computes alike (by name).
+
+    Raises:
+        ValueError: If two statistics share a name (two quantities of one kind projecting on
+            their own directions), so that no order could be agreed on.
+    """
+    ordered = sorted(statistics, key=repr)
+    names = [repr(s) for s in ordered]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise ValueError(f"statistics {clashes} of several quantities of one kind cannot be combined across processes")
+    return ordered
+
+
+def global_mean(tensors, ctx):
+    """Means over the global batch of per-rank means ``tensors`` (e.g. Hessian-vector products of
+    each rank's loss): ``sum_r (N_r / N) tensors_r``, one collective. Unchanged without a group."""
+    if ctx.group is None:
+        return list(tensors)
+    parts = [ctx.rank_share * t for t in tensors]
+    return _unflatten(_all_reduce(parts, dist.ReduceOp.SUM, ctx.group), parts)
+
+
+def same_everywhere(tensors, group):
+    """``tensors`` as rank 0 of ``group`` has them (e.g. a random start), one collective."""
+    if group is None:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+    return _unflatten(flat, tensors)
+
+
+class _Reduction:
+    """Stands for the reduction where ``ctx.info`` asks who needs an entry."""
+
+
+_REDUCTION = _Reduction()
+
+
+def _local_batch_size(ctx):
+    """This rank's batch size: as the hook saw it, else ``info['batch_size']``, else the length
+    of ``info['individual_losses']``."""
+    if ctx.local_batch_size is not None:
+        return int(ctx.local_batch_size)
+    if ctx.has_info("batch_size"):
+        return int(ctx.info("batch_size", _REDUCTION))
+    if ctx.has_info("individual_losses"):
+        return int(ctx.info("individual_losses", _REDUCTION).numel())
+    raise ValueError(
+        "Under torch.distributed the cockpit weighs each process by its batch size: hand it in via "
+        "cockpit(..., info={'batch_size': ...})"
+    )
+
+
+def _all_gather(tensor, group):
+    """``tensor`` of every rank, stacked in rank order."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
+
+
+def _all_reduce(parts, op, group):
+    """``parts`` reduced with ``op`` over the group, as one flat buffer; returns the flat result."""
+    dtype = _buffer_dtype(parts)
+    flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in parts])
+    dist.all_reduce(flat, op=op, group=group)
+    return flat
+
+
+def _unflatten(flat, parts):
+    """Split ``flat`` back into tensors shaped and typed like ``parts``."""
+    out, offset = [], 0
+    for p in parts:
+        out.append(flat[offset : offset + p.numel()].reshape(p.shape).to(p.dtype))
+        offset += p.numel()
+    return out
+
+
+def _gather_per_sample(pieces, sizes, group):
+    """Each piece (one value per local sample) concatenated over ranks in rank order."""
+    dtype = _buffer_dtype(pieces)
+    local = torch.cat([p.detach().reshape(-1).to(dtype) for p in pieces])
+    longest = len(pieces) * max(sizes)
+    padded = torch.zeros(longest, dtype=dtype, device=local.device)
+    padded[: local.numel()] = local
+    rows = _all_gather(padded, group)
+    out = []
+    for k, piece in enumerate(pieces):
+        out.append(torch.cat([rows[r, k * n : (k + 1) * n] for r, n in enumerate(sizes)]).to(piece.dtype))
+    return out
+
+
+def _buffer_dtype(parts):
+    """float64 if any part is, else float32: float32 counts are exact up to 2^24 per bin."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32

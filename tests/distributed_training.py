@@ -1,0 +1,183 @@
+"""Training under cockpit_fast's Cockpit in one process or in a spawned gloo group (test helper).
+
+The same model, initial weights and global batches either way: rank r trains on its slice of
+each global batch. Each run saves ``{"output": cockpit.get_output(), "written": [...]}``.
+"""
+
+import datetime
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from backpack import extend
+
+from cockpit_fast import quantities as q
+from cockpit_fast.cockpit import Cockpit
+from cockpit_fast.utils import schedules
+from test_cockpit_core import build_model
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank left waiting fails instead of hanging
+
+
+def every_quantity():
+    """Every quantity of Cockpit's set that is defined on several processes, tracked every step."""
+    s = schedules.linear(1)
+    return [
+        q.Loss(s),
+        q.GradNorm(s),
+        q.MeanGSNR(s),
+        q.NormTest(s),
+        q.InnerTest(s),
+        q.OrthoTest(s),
+        q.CABS(s),
+        q.EarlyStopping(s),
+        q.TICDiag(s),
+        q.TICTrace(s, curvature="diag_ggn_exact"),
+        q.HessTrace(s),
+        q.Alpha(s),
+        q.Distance(s),
+        q.UpdateSize(s),
+        q.Parameters(s),
+        q.GradHist1d(s, bins=9, adapt=q.GradAbsMax(schedules.linear(2), padding=0.1)),
+        q.GradHist2d(s, bins=(6, 5), range=((-0.5, 0.5), (-1, 1)), keep_individual=True),
+    ]
+
+
+QUANTITY_SETS = {
+    "every": every_quantity,
+    "hessian_max_ev": lambda: [q.HessMaxEV(schedules.linear(1))],
+    "alpha_adam": lambda: [q.Alpha(schedules.linear(1))],
+    "time_only": lambda: [q.Time(schedules.linear(1))],
+}
+
+
+def weighted_allreduce(share, bucket):
+    """DDP communication hook: the global batch's mean gradient, each rank weighted by N_r / N
+    (DDP's default averages the ranks' means, which is that only for equal batch sizes)."""
+    buffer = bucket.buffer().mul_(share)
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def train(config, rank=0, rank_sizes=None, out=None):
+    """Train ``config["steps"]`` steps; rank ``rank`` of ``len(rank_sizes)`` takes its slice.
+
+    config keys: model, quantities (a QUANTITY_SETS key), steps, route, optimizer, sync
+    ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
+    fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
+    log_all_ranks. The log goes to ``out``, a folder of this rank's own.
+    """
+    rank_sizes = rank_sizes or [config["batch_size"]]
+    distributed = len(rank_sizes) > 1
+    global_n, local_n = sum(rank_sizes), rank_sizes[rank]
+    start = sum(rank_sizes[:rank])
+    torch.manual_seed(0)
+    model, input_shape = build_model(config["model"])
+    model = extend(model)
+    params = list(model.parameters())
+    if distributed and config.get("sync", "ddp") == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        if len(set(rank_sizes)) > 1:
+            model.register_comm_hook(local_n / global_n, weighted_allreduce)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    if config.get("optimizer", "sgd") == "sgd":
+        opt = torch.optim.SGD(params, lr=0.1)
+    else:
+        opt = torch.optim.Adam(params, lr=0.01)
+    names = config["quantities"]
+    if distributed and rank == 1 and "quantities_on_rank1" in config:
+        names = config["quantities_on_rank1"]
+    cockpit = Cockpit(
+        params,
+        quantities=QUANTITY_SETS[names](),
+        per_sample_route=config.get("route", "auto"),
+        log_all_ranks=config.get("log_all_ranks", False),
+    )
+    data = torch.Generator().manual_seed(1)
+    for step in range(config["steps"]):
+        if config.get("fail_on_rank") == rank and step == 1:
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        inputs = torch.randn(global_n, *input_shape, generator=data)[start : start + local_n]
+        labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + local_n]
+        opt.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, labels)
+        info = {"batch_size": local_n, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss}
+        info["optimizer"] = opt
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        if distributed and config.get("sync") == "manual":
+            for p in params:
+                p.grad = p.grad.detach() * (local_n / global_n)
+                dist.all_reduce(p.grad)
+        opt.step()
+    written = []
+    if out is not None:
+        logpath = str(Path(out) / "log")
+        cockpit.write(logpath)
+        written = sorted(path.name for path in Path(out).glob("log*.json"))
+    return {"output": _plain(cockpit.get_output()), "written": written}
+
+
+def collect_rows(rank=0, rank_sizes=(6,)):
+    """gradient-metrics rows of a DDP-wrapped MLP's samples (this rank's slice of the batch),
+    with the warnings the collector gave."""
+    from cockpit_fast.gradient_metrics import GradientMetricCollector
+    from cockpit_fast.gradient_metrics.metrics import Max, MeanStd, PNorm
+
+    torch.manual_seed(0)
+    model, input_shape = build_model("mlp")
+    collector = GradientMetricCollector([Max(model), MeanStd(model[0]), PNorm(model, p=2)])
+    if len(rank_sizes) > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    global_n, start = sum(rank_sizes), sum(rank_sizes[:rank])
+    data = torch.Generator().manual_seed(1)
+    inputs = torch.randn(global_n, *input_shape, generator=data)[start : start + rank_sizes[rank]]
+    labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + rank_sizes[rank]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = collector(torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none"))
+    return {"rows": rows.detach(), "warnings": [str(w.message) for w in caught]}
+
+
+def _plain(output):
+    return {step: dict(values) for step, values in output.items()}
+
+
+def _rank_main(rank, rank_sizes, config, workdir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=len(rank_sizes),
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        if config.get("job") == "collect":
+            result = collect_rows(rank, rank_sizes)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = train(config, rank, rank_sizes, out=workdir / f"logs{rank}")
+        torch.save(result, workdir / f"rank{rank}.pt")
+        dist.barrier()  # gloo aborts if a group is torn down while a peer still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(rank_sizes, config, workdir):
+    """Train in ``len(rank_sizes)`` spawned processes; every rank's result, in rank order.
+
+    A rank that raises ends every other rank (torch.multiprocessing terminates them) and the
+    error is raised here.
+    """
+    workdir = Path(workdir)
+    for rank in range(len(rank_sizes)):
+        (workdir / f"logs{rank}").mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    mp.spawn(_rank_main, args=(rank_sizes, config, workdir), nprocs=len(rank_sizes), join=True)
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(len(rank_sizes))]

@@ -1,0 +1,129 @@
+"""Cockpit under torch.distributed: spawned gloo groups on loopback equal one process on the
+concatenated batch, whatever each rank's batch size; mismatched ranks fail fast."""
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from cockpit_fast.distributed import resolve_group
+from distributed_training import collect_rows, run_group, train
+from test_cockpit_core import assert_same_output, build_model
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+EDGE_COUNTS = 3  # a value on a bin edge may round into its neighbour (see test_cockpit_gradients)
+STEPS = 3
+
+
+def _without_time(output):
+    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
+
+
+def _one_process(config, global_n):
+    """The reference: one process training on the concatenated global batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train({**config, "batch_size": global_n})["output"]
+
+
+@pytest.mark.parametrize(
+    "model, rank_sizes, route",
+    [
+        ("mlp", [4, 4], "auto"),
+        ("mlp", [5, 3], "grad_batch"),
+        ("cnn", [3, 2, 4], "auto"),
+        ("sequence", [2, 5], "auto"),
+    ],
+    ids=["mlp-equal-factors", "mlp-unequal-grad_batch", "cnn-3-ranks", "sequence-unequal"],
+)
+def test_every_quantity_equals_one_process_on_the_global_batch(model, rank_sizes, route, tmp_path):
+    config = {"model": model, "quantities": "every", "steps": STEPS, "route": route}
+    expected = _one_process(config, sum(rank_sizes))
+    ranks = run_group(rank_sizes, config, tmp_path)
+    for rank, result in enumerate(ranks):
+        assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
+        assert_same_output(
+            _without_time(result["output"]),
+            _without_time(expected),
+            rtol=1e-4,
+            atol=1e-6,
+            max_count_diff=EDGE_COUNTS,
+            path=f"rank {rank}",
+        )
+    # The histograms count every sample of the global batch once.
+    hist = ranks[0]["output"][0]["GradHist1d"]["hist"]
+    n_params = sum(p.numel() for p in build_model(model)[0].parameters())
+    assert hist.sum() == sum(rank_sizes) * n_params
+
+
+def test_per_sample_values_cover_the_global_batch(tmp_path):
+    """NormTest reads every sample's norm: a rank's own samples alone would give another value."""
+    config = {"model": "mlp", "quantities": "every", "steps": 1}
+    ranks = run_group([6, 2], config, tmp_path)
+    shard_alone = _one_process(config, 6)[0]["NormTest"]
+    assert not np.isclose(ranks[0]["output"][0]["NormTest"], shard_alone, rtol=1e-3)
+
+
+def test_hessian_max_eigenvalue_from_combined_hessian_vector_products(tmp_path):
+    # DDP's reducer fails under create_graph=True (an in-place op on a leaf's graph-carrying
+    # gradient), so the ranks average their gradients themselves here.
+    config = {"model": "mlp", "quantities": "hessian_max_ev", "steps": 2, "sync": "manual"}
+    expected = _one_process(config, 7)
+    for result in run_group([4, 3], config, tmp_path):
+        for step in expected:
+            assert np.isclose(result["output"][step]["HessMaxEV"], expected[step]["HessMaxEV"], rtol=1e-2)
+
+
+def test_only_rank_zero_writes_the_log(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 1}
+    assert [r["written"] for r in run_group([2, 2], config, tmp_path)] == [["log.json"], []]
+
+
+def test_every_rank_writes_its_own_log_when_asked(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 1, "log_all_ranks": True}
+    written = [r["written"] for r in run_group([2, 2], config, tmp_path)]
+    assert written == [["log_rank0.json"], ["log_rank1.json"]]
+
+
+def test_steps_that_read_no_batch_exchange_nothing(tmp_path):
+    config = {"model": "mlp", "quantities": "time_only", "steps": 2}
+    for result in run_group([2, 3], config, tmp_path):
+        assert sorted(result["output"]) == [0, 1]
+
+
+def test_a_rank_that_raises_fails_the_group_fast(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 3, "fail_on_rank": 1}
+    started = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        run_group([2, 2], config, tmp_path)
+    assert time.monotonic() - started < 50  # not the 60 s collective timeout
+
+
+def test_ranks_tracking_different_quantities_are_told(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 1, "quantities_on_rank1": "alpha_adam"}
+    with pytest.raises(Exception, match="every rank must track the same"):
+        run_group([2, 2], config, tmp_path)
+
+
+def test_alpha_without_plain_sgd_is_refused_clearly(tmp_path):
+    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 2, "optimizer": "adam"}
+    with pytest.raises(Exception, match="Alpha"):
+        run_group([2, 2], config, tmp_path)
+
+
+def test_gradient_metrics_rows_stay_local_and_the_collector_says_so(tmp_path):
+    rank_sizes = [2, 3]
+    ranks = run_group(rank_sizes, {"job": "collect"}, tmp_path)
+    everything = collect_rows(0, [sum(rank_sizes)])["rows"]  # one process, the whole batch
+    torch.testing.assert_close(torch.cat([r["rows"] for r in ranks]), everything)
+    for rank, result in enumerate(ranks):
+        assert result["rows"].shape[0] == rank_sizes[rank]
+        assert any("its own samples only" in message for message in result["warnings"])
+
+
+def test_single_process_needs_no_group():
+    assert resolve_group(None) is None
