@@ -67,7 +67,7 @@ class Statistic:
 
     reduction = "sum"
     """How ranks combine it (:mod:`cockpit_fast.distributed`): ``"sum"``, ``"max"``,
-    ``"per_sample"`` (concatenated in rank order), or None where it cannot be combined."""
+    ``"per_sample"`` (concatenated in rank order), or ``"local"`` (not combined: each rank's own)."""
 
     sample_power = 0
     """k such that it is in units of ``(1/N)^k`` through ``grad_batch = ∇ℓ_n / N``: what the
@@ -88,6 +88,15 @@ class Statistic:
     def merge(self, parts):
         """Combine the values of consecutive chunks of samples (default: per-sample, concatenated)."""
         return torch.cat(parts)
+
+    def global_factor(self, local_n, global_n):
+        """What a ``"per_sample"`` value of a rank with ``local_n`` of the ``global_n`` samples is
+        multiplied by to be in the global batch's units."""
+        return (local_n / global_n) ** self.sample_power
+
+    def rank_lengths(self, sizes):
+        """How many values of a ``"per_sample"`` statistic each rank holds: its batch size."""
+        return sizes
 
 
 class _BatchL2(Statistic):
@@ -164,7 +173,7 @@ DOT_MEAN_GRAD = _DotMeanGrad()
 
 class _KeepGradBatch(Statistic):
     served_by_factors = False  # kept for a later step: it must exist in full
-    reduction = None  # one rank's samples only
+    reduction = "local"  # each rank keeps its own; what is later taken from it is combined
 
     def __repr__(self):
         return "grad_batch"
@@ -290,6 +299,7 @@ class StepContext:
         self._global_grads = None
         self._curvatures = {}
         self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
+        self.rank_sizes = None  # every rank's batch size, once reduced
 
     def differentiable_grads(self):
         """Gradients that still carry their graph (``create_graph=True``): ``param.grad``, or this

@@ -91,9 +91,6 @@ def reduce_step(ctx, curvature_names=()):
     group, params = ctx.group, ctx.params
     local_n = _local_batch_size(ctx)
     statistics = _in_agreed_order(ctx.requests)
-    unreducible = [repr(s) for s in statistics if s.reduction is None]
-    if unreducible:
-        raise ValueError(f"{unreducible} cannot be combined across processes")
     curvature_names = [name for name in curvature_names if all(hasattr(p, name) for p in params)]
     has_loss, has_losses = ctx.has_info("loss"), ctx.has_info("individual_losses")
     results = ctx.results()
@@ -113,7 +110,7 @@ def reduce_step(ctx, curvature_names=()):
         raise ValueError("the processes track different quantities or parameters at this step: every rank must track the same")
     sizes = [n for n, _ in every]
     global_n = sum(sizes)
-    ctx.rank_share = local_n / global_n
+    ctx.rank_sizes, ctx.rank_share = sizes, local_n / global_n
 
     def values_of(reduction):
         return [(s, i) for s in statistics if s.reduction == reduction for i in sorted(results.get(s, {}))]
@@ -147,11 +144,13 @@ def reduce_step(ctx, curvature_names=()):
 
     # 3. Per-sample values in the global batch's units, concatenated in rank order.
     per_sample = values_of("per_sample")
-    pieces = [(local_n / global_n) ** s.sample_power * results[s][i] for s, i in per_sample]
+    pieces = [s.global_factor(local_n, global_n) * results[s][i] for s, i in per_sample]
+    lengths = [s.rank_lengths(sizes) for s, _ in per_sample]
     if has_losses:
         pieces.append(ctx.info("individual_losses", _REDUCTION).detach().reshape(-1))
+        lengths.append(sizes)
     if pieces:
-        gathered = iter(_gather_per_sample(pieces, sizes, group))
+        gathered = iter(_gather_per_sample(pieces, lengths, group))
         for s, i in per_sample:
             results[s][i] = next(gathered)
         if has_losses:
@@ -245,17 +244,21 @@ def _unflatten(flat, parts):
     return out
 
 
-def _gather_per_sample(pieces, sizes, group):
-    """Each piece (one value per local sample) concatenated over ranks in rank order."""
+def _gather_per_sample(pieces, lengths, group):
+    """Each piece (one value per local sample; ``lengths[k][r]`` of them on rank r)
+    concatenated over ranks in rank order."""
     dtype = _buffer_dtype(pieces)
     local = torch.cat([p.detach().reshape(-1).to(dtype) for p in pieces])
-    longest = len(pieces) * max(sizes)
-    padded = torch.zeros(longest, dtype=dtype, device=local.device)
+    totals = [sum(piece[r] for piece in lengths) for r in range(len(lengths[0]))]
+    padded = torch.zeros(max(totals), dtype=dtype, device=local.device)
     padded[: local.numel()] = local
     rows = _all_gather(padded, group)
+    starts = [0] * len(totals)  # where each rank's row holds the next piece
     out = []
-    for k, piece in enumerate(pieces):
-        out.append(torch.cat([rows[r, k * n : (k + 1) * n] for r, n in enumerate(sizes)]).to(piece.dtype))
+    for piece, piece_lengths in zip(pieces, lengths):
+        parts = [rows[r, starts[r] : starts[r] + n] for r, n in enumerate(piece_lengths)]
+        starts = [start + n for start, n in zip(starts, piece_lengths)]
+        out.append(torch.cat(parts).to(piece.dtype))
     return out
 
 

@@ -109,10 +109,14 @@ def test_ranks_tracking_different_quantities_are_told(tmp_path):
         run_group([2, 2], config, tmp_path)
 
 
-def test_alpha_without_plain_sgd_is_refused_clearly(tmp_path):
-    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 2, "optimizer": "adam"}
-    with pytest.raises(Exception, match="Alpha"):
-        run_group([2, 2], config, tmp_path)
+@pytest.mark.parametrize("route", ["auto", "grad_batch"])
+def test_alpha_with_adam_keeps_each_rank_s_gradients_and_equals_one_process(route, tmp_path):
+    # Not plain SGD: each rank keeps its own individual gradients until the update is known.
+    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 4, "optimizer": "adam", "route": route}
+    expected = _one_process(config, 8)
+    for result in run_group([3, 5], config, tmp_path):
+        assert sorted(result["output"]) == sorted(expected) == [0, 1, 2]
+        assert_same_output(result["output"], expected, rtol=1e-4, atol=1e-6)
 
 
 def test_gradient_metrics_rows_stay_local_and_the_collector_says_so(tmp_path):

@@ -1,6 +1,7 @@
 """Normalized step length α from a noise-aware quadratic fit along the update."""
 
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +49,8 @@ class Alpha(Quantity):
         start = self._starts.get(step - self.SAVE_SHIFT) if self.is_end(step) else None
         if start is not None and start.observation is not None:
             wanted.add(Projection(self, "end", start.direction))
+            if not start.sgd:  # the start's kept individual gradients, on the update now known
+                wanted.add(_KeptProjection(self, "kept", start.direction, start=start))
         if self.is_start(step):
             start = _StartPoint(self._sgd_learning_rates(ctx))
             self._starts.put(step, start)
@@ -61,19 +64,10 @@ class Alpha(Quantity):
     def _sgd_learning_rates(self, ctx):
         """Per-parameter learning rates if the update is plain SGD's, else None."""
         if not ctx.has_info("optimizer"):
-            if ctx.group is not None:
-                raise ValueError("Alpha under torch.distributed needs info['optimizer'] (plain SGD)")
             warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
             return None
         optimizer = ctx.info("optimizer", self)
-        if is_plain_sgd(optimizer):
-            return learning_rates(optimizer)
-        if ctx.group is not None:
-            raise ValueError(
-                "Alpha under torch.distributed supports SGD without momentum or weight decay only: with "
-                f"{type(optimizer).__name__} it would keep each process's individual gradients for the next step"
-            )
-        return None
+        return learning_rates(optimizer) if is_plain_sgd(optimizer) else None
 
     def track(self, ctx):
         step = ctx.global_step
@@ -89,7 +83,7 @@ class Alpha(Quantity):
         directions = [start.directions[i] for i in range(len(ctx.params))]
         update_size = torch.sqrt(sum((d**2).sum() for d in directions))
         if not start.sgd:  # the update is known only now
-            start.observation.dots = sum(ops.batch_dot(g, d) for g, d in zip(start.grad_batch, directions))
+            start.observation.dots = ctx.summed(_KeptProjection(self, "kept", start.direction))
         end = _Observation(ctx, self, ctx.summed(Projection(self, "end", start.direction)))
         observations = [start.observation, end]
         dfs, var_dfs = zip(*(o.projected_gradient(update_size) for o in observations))
@@ -116,6 +110,26 @@ class _Observation:
         """Mean and sample variance of the individual gradients projected on the update."""
         projections = self.batch_size * self.dots / update_size
         return projections.mean(), projections.var()
+
+
+@dataclass(frozen=True, repr=False)  # Projection's repr: the same in every process
+class _KeptProjection(Projection):
+    """Projections of the start's individual gradients, kept by each process until the end of
+    the step, on the update: computed in the end's hook, in the start's units and samples."""
+
+    start: object = field(default=None, compare=False, repr=False)
+
+    def from_grad_batch(self, hot):
+        return ops.batch_dot(self.start.grad_batch[hot.index], self.direction(hot))
+
+    def from_factors(self, factors, hot):
+        return self.from_grad_batch(hot)
+
+    def global_factor(self, local_n, global_n):
+        return self.start.rank_share
+
+    def rank_lengths(self, sizes):
+        return self.start.rank_sizes
 
 
 class _StartPoint:
@@ -149,6 +163,7 @@ class _StartPoint:
         """Take the start's loss information and, without SGD, what to project at the end."""
         dots = ctx.summed(quantity._start_projection(self)) if self.sgd else None
         self.observation = _Observation(ctx, quantity, dots)
+        self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
             self.params = [p.detach().clone() for p in ctx.params]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
