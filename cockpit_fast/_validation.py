@@ -126,24 +126,34 @@ def grad_args(op, g, scale):
 
 def hist1d_args(g, bins, range, scale):
     scale = grad_args("hist1d", g, scale)
-    check_bins("hist1d", bins)
-    check_cells("hist1d", bins)
+    return (*binning_1d("hist1d", bins, range), scale)
+
+
+def binning_1d(op, bins, range):
+    """``bins, lo, hi`` of a 1D histogram, checked."""
+    check_bins(op, bins)
+    check_cells(op, bins)
     lo, hi = range
-    check_range("hist1d", lo, hi)
-    return bins, float(lo), float(hi), scale
+    check_range(op, lo, hi)
+    return bins, float(lo), float(hi)
+
+
+def binning_2d(op, bins, range):
+    """``(xbins, ybins), (xlo, xhi), (ylo, yhi)`` of a 2D histogram, checked."""
+    xbins, ybins = bins
+    (xlo, xhi), (ylo, yhi) = range
+    check_bins(op, xbins, "x ")
+    check_bins(op, ybins, "y ")
+    check_cells(op, xbins * ybins)
+    check_range(op, xlo, xhi, "x ")
+    check_range(op, ylo, yhi, "y ")
+    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi))
 
 
 def hist2d_args(g, param, bins, range, scale):
     scale = grad_args("hist2d", g, scale)
     check_companion("hist2d", g, param, "param")
-    xbins, ybins = bins
-    (xlo, xhi), (ylo, yhi) = range
-    check_bins("hist2d", xbins, "x ")
-    check_bins("hist2d", ybins, "y ")
-    check_cells("hist2d", xbins * ybins)
-    check_range("hist2d", xlo, xhi, "x ")
-    check_range("hist2d", ylo, yhi, "y ")
-    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi)), scale
+    return (*binning_2d("hist2d", bins, range), scale)
 
 
 def batch_dot_args(g, direction, scale):
@@ -161,11 +171,7 @@ def per_sample_stats_args(g, scale, p_values):
 
 def outer_hist1d_args(left, right, bins, range, scale):
     scale = check_factors("outer_hist1d", left, right, scale)
-    check_bins("outer_hist1d", bins)
-    check_cells("outer_hist1d", bins)
-    lo, hi = range
-    check_range("outer_hist1d", lo, hi)
-    return bins, float(lo), float(hi), scale
+    return (*binning_1d("outer_hist1d", bins, range), scale)
 
 
 def outer_hist2d_args(left, right, param, bins, range, scale):
@@ -182,11 +188,4 @@ def outer_hist2d_args(left, right, param, bins, range, scale):
             f"cockpit_fast.outer_hist2d: param must have shape (left.shape[1], right.shape[1]) = "
             f"{expected}, got {tuple(param.shape)}"
         )
-    xbins, ybins = bins
-    (xlo, xhi), (ylo, yhi) = range
-    check_bins("outer_hist2d", xbins, "x ")
-    check_bins("outer_hist2d", ybins, "y ")
-    check_cells("outer_hist2d", xbins * ybins)
-    check_range("outer_hist2d", xlo, xhi, "x ")
-    check_range("outer_hist2d", ylo, yhi, "y ")
-    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi)), scale
+    return (*binning_2d("outer_hist2d", bins, range), scale)

@@ -21,46 +21,19 @@ __global__ void hist1d_kernel(const scalar_t* __restrict__ data, int64_t numel,
                               unsigned long long* __restrict__ counts) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ unsigned int shared_counts[];
-  const int64_t slots = bins.bins + 1;  // the last slot takes NaN and out-of-range lanes
-  unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
-  if constexpr (kShared) {
-    for (int64_t i = threadIdx.x; i < slots * copies; i += blockDim.x) shared_counts[i] = 0;
-    __syncthreads();
-  }
-
+  BlockHistogram<kShared> histogram(shared_counts, bins.bins, copies, counts);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
   // `base` is the same for the whole block, so every lane runs every iteration (count_in_warp).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * VEC; base < numel; base += stride) {
     const int64_t i = base + static_cast<int64_t>(threadIdx.x) * VEC;
     scalar_t values[VEC];
-    if (VEC > 1 && i + VEC <= numel) {
-      const Pack<scalar_t, VEC> pack = *reinterpret_cast<const Pack<scalar_t, VEC>*>(data + i);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = pack.v[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = i + k < numel ? data[i + k] : scalar_t(0);
-    }
+    load_values(data, i, numel, values);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const int32_t slot =
-          i + k < numel ? hist1d_slot(scale * static_cast<acc_t>(values[k]), bins) : bins.bins;
-      if constexpr (kShared) {
-        count_in_warp(warp_counts, static_cast<unsigned int>(slot));
-      } else if (slot < bins.bins) {
-        atomicAdd(counts + slot, 1ULL);
-      }
+      histogram.add(i + k < numel ? hist1d_slot(scale * static_cast<acc_t>(values[k]), bins) : bins.bins);
     }
   }
-
-  if constexpr (kShared) {
-    __syncthreads();
-    for (int64_t b = threadIdx.x; b < bins.bins; b += blockDim.x) {
-      unsigned long long total = 0;
-      for (int c = 0; c < copies; ++c) total += shared_counts[c * slots + b];
-      if (total > 0) atomicAdd(counts + b, total);
-    }
-  }
+  histogram.flush();
 }
 
 at::Tensor hist1d_cuda(const at::Tensor& g, int64_t bins, double lo, double hi, double scale) {
@@ -73,21 +46,15 @@ at::Tensor hist1d_cuda(const at::Tensor& g, int64_t bins, double lo, double hi, 
       const scalar_t* data = args.rows.const_data_ptr<scalar_t>();
       const Hist1dBins<acc_t> b = make_hist1d_bins<acc_t>(bins, lo, hi);
       auto* counts = reinterpret_cast<unsigned long long*>(args.counts.data_ptr<int64_t>());
-      const int copies = shared_histogram_copies(bins + 1);
       const auto stream = current_stream();
       // One flat run: only the base pointer's alignment decides the vector width.
       with_vector_width<scalar_t>(vector_width<scalar_t>(data, 0), [&](auto vec) {
         constexpr int VEC = decltype(vec)::value;
         const unsigned int blocks = flat_blocks(numel, VEC);
-        if (copies > 0) {
-          const size_t shared_bytes = sizeof(unsigned int) * (bins + 1) * copies;
-          hist1d_kernel<scalar_t, VEC, true><<<blocks, kThreads, shared_bytes, stream>>>(
+        launch_histogram(bins, [&](auto shared, size_t shared_bytes, int copies) {
+          hist1d_kernel<scalar_t, VEC, decltype(shared)::value><<<blocks, kThreads, shared_bytes, stream>>>(
               data, numel, b, static_cast<acc_t>(scale), copies, counts);
-        } else {
-          hist1d_kernel<scalar_t, VEC, false><<<blocks, kThreads, 0, stream>>>(
-              data, numel, b, static_cast<acc_t>(scale), 1, counts);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
     });
   }

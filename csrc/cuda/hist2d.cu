@@ -24,13 +24,7 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ unsigned int shared_counts[];
   const int32_t discard = x_axis.bins * y_axis.bins;  // slot of pairs that are not counted
-  const int64_t slots = discard + 1;
-  unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
-  if constexpr (kShared) {
-    for (int64_t i = threadIdx.x; i < slots * copies; i += blockDim.x) shared_counts[i] = 0;
-    __syncthreads();
-  }
-
+  BlockHistogram<kShared> histogram(shared_counts, discard, copies, counts);
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
   int32_t y_bin[VEC];  // -1: column out of range or parameter NaN
 #pragma unroll
@@ -41,36 +35,15 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
   const int64_t n_begin = static_cast<int64_t>(blockIdx.y) * rows_per_group;
   const int64_t n_end = min(n_rows, n_begin + rows_per_group);
   for (int64_t n = n_begin; n < n_end; ++n) {  // uniform per block: every lane counts together
-    const scalar_t* row = data + n * n_cols;
     scalar_t values[VEC];
-    if (VEC > 1 && j + VEC <= n_cols) {
-      const Pack<scalar_t, VEC> pack = *reinterpret_cast<const Pack<scalar_t, VEC>*>(row + j);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = pack.v[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = j + k < n_cols ? row[j + k] : scalar_t(0);
-    }
+    load_values(data + n * n_cols, j, n_cols, values);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const int32_t x_bin = hist2d_axis_bin(scale * static_cast<acc_t>(values[k]), x_axis);
-      const int32_t slot = hist2d_slot(x_bin, y_bin[k], y_axis.bins, discard);
-      if constexpr (kShared) {
-        count_in_warp(warp_counts, static_cast<unsigned int>(slot));
-      } else if (slot < discard) {
-        atomicAdd(counts + slot, 1ULL);
-      }
+      histogram.add(hist2d_slot(x_bin, y_bin[k], y_axis.bins, discard));
     }
   }
-
-  if constexpr (kShared) {
-    __syncthreads();
-    for (int64_t b = threadIdx.x; b < discard; b += blockDim.x) {
-      unsigned long long total = 0;
-      for (int c = 0; c < copies; ++c) total += shared_counts[c * slots + b];
-      if (total > 0) atomicAdd(counts + b, total);
-    }
-  }
+  histogram.flush();
 }
 
 at::Tensor hist2d_cuda(const at::Tensor& g, const at::Tensor& param, int64_t xbins, int64_t ybins,
@@ -86,23 +59,16 @@ at::Tensor hist2d_cuda(const at::Tensor& g, const at::Tensor& param, int64_t xbi
       const Hist2dAxis<acc_t> x_axis = make_hist2d_axis<acc_t>(xbins, xlo, xhi);
       const Hist2dAxis<acc_t> y_axis = make_hist2d_axis<acc_t>(ybins, ylo, yhi);
       auto* counts = reinterpret_cast<unsigned long long*>(args.counts.data_ptr<int64_t>());
-      const int copies = shared_histogram_copies(xbins * ybins + 1);
       const auto stream = current_stream();
       // param is read once per block, value by value: only g's layout sets the vector width.
       with_vector_width<scalar_t>(vector_width<scalar_t>(data, n_cols), [&](auto vec) {
         constexpr int VEC = decltype(vec)::value;
         const RowTileGrid grid = row_tile_grid(n_rows, n_cols, VEC);
-        if (copies > 0) {
-          const size_t shared_bytes = sizeof(unsigned int) * (xbins * ybins + 1) * copies;
-          hist2d_kernel<scalar_t, VEC, true><<<grid.grid(), kThreads, shared_bytes, stream>>>(
-              data, p, n_rows, n_cols, grid.rows_per_group, x_axis, y_axis,
-              static_cast<acc_t>(scale), copies, counts);
-        } else {
-          hist2d_kernel<scalar_t, VEC, false><<<grid.grid(), kThreads, 0, stream>>>(
-              data, p, n_rows, n_cols, grid.rows_per_group, x_axis, y_axis,
-              static_cast<acc_t>(scale), 1, counts);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_histogram(xbins * ybins, [&](auto shared, size_t shared_bytes, int copies) {
+          hist2d_kernel<scalar_t, VEC, decltype(shared)::value><<<grid.grid(), kThreads, shared_bytes, stream>>>(
+              data, p, n_rows, n_cols, grid.rows_per_group, x_axis, y_axis, static_cast<acc_t>(scale), copies,
+              counts);
+        });
       });
     });
   }

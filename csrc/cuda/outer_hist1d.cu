@@ -24,48 +24,21 @@ __global__ void outer_hist1d_kernel(const scalar_t* __restrict__ left,
                                     unsigned long long* __restrict__ counts) {
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ unsigned int shared_counts[];
-  const int64_t slots = bins.bins + 1;  // the last slot takes NaN and out-of-range lanes
-  unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
-  if constexpr (kShared) {
-    for (int64_t i = threadIdx.x; i < slots * copies; i += blockDim.x) shared_counts[i] = 0;
-    __syncthreads();
-  }
-
+  BlockHistogram<kShared> histogram(shared_counts, bins.bins, copies, counts);
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
   const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * rows_per_group;
   const int64_t r_end = min(n_rows, r_begin + rows_per_group);
   for (int64_t r = r_begin; r < r_end; ++r) {  // uniform per block: every lane counts together
     const scalar_t u = left[r];
-    const scalar_t* v = right + (r / p) * q;
     scalar_t values[VEC];
-    if (VEC > 1 && j + VEC <= q) {
-      const Pack<scalar_t, VEC> pack = *reinterpret_cast<const Pack<scalar_t, VEC>*>(v + j);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = pack.v[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) values[k] = j + k < q ? v[j + k] : scalar_t(0);
-    }
+    load_values(right + (r / p) * q, j, q, values);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const acc_t x = scale * static_cast<acc_t>(outer_element(u, values[k]));
-      const int32_t slot = j + k < q ? hist1d_slot(x, bins) : bins.bins;
-      if constexpr (kShared) {
-        count_in_warp(warp_counts, static_cast<unsigned int>(slot));
-      } else if (slot < bins.bins) {
-        atomicAdd(counts + slot, 1ULL);
-      }
+      histogram.add(j + k < q ? hist1d_slot(x, bins) : bins.bins);
     }
   }
-
-  if constexpr (kShared) {
-    __syncthreads();
-    for (int64_t b = threadIdx.x; b < bins.bins; b += blockDim.x) {
-      unsigned long long total = 0;
-      for (int c = 0; c < copies; ++c) total += shared_counts[c * slots + b];
-      if (total > 0) atomicAdd(counts + b, total);
-    }
-  }
+  histogram.flush();
 }
 
 at::Tensor outer_hist1d_cuda(const at::Tensor& left, const at::Tensor& right, int64_t bins,
@@ -81,20 +54,15 @@ at::Tensor outer_hist1d_cuda(const at::Tensor& left, const at::Tensor& right, in
       const scalar_t* v = args.right.const_data_ptr<scalar_t>();
       const Hist1dBins<acc_t> b = make_hist1d_bins<acc_t>(bins, lo, hi);
       auto* counts = reinterpret_cast<unsigned long long*>(args.counts.data_ptr<int64_t>());
-      const int copies = shared_histogram_copies(bins + 1);
       const auto stream = current_stream();
       with_vector_width<scalar_t>(vector_width<scalar_t>(v, q), [&](auto vec) {
         constexpr int VEC = decltype(vec)::value;
         const RowTileGrid grid = row_tile_grid(n_rows, q, VEC);
-        if (copies > 0) {
-          const size_t shared_bytes = sizeof(unsigned int) * (bins + 1) * copies;
-          outer_hist1d_kernel<scalar_t, VEC, true><<<grid.grid(), kThreads, shared_bytes, stream>>>(
-              u, v, n_rows, p, q, grid.rows_per_group, b, static_cast<acc_t>(scale), copies, counts);
-        } else {
-          outer_hist1d_kernel<scalar_t, VEC, false><<<grid.grid(), kThreads, 0, stream>>>(
-              u, v, n_rows, p, q, grid.rows_per_group, b, static_cast<acc_t>(scale), 1, counts);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_histogram(bins, [&](auto shared, size_t shared_bytes, int copies) {
+          outer_hist1d_kernel<scalar_t, VEC, decltype(shared)::value>
+              <<<grid.grid(), kThreads, shared_bytes, stream>>>(u, v, n_rows, p, q, grid.rows_per_group, b,
+                                                              static_cast<acc_t>(scale), copies, counts);
+        });
       });
     });
   }

@@ -26,13 +26,7 @@ __global__ void outer_hist2d_kernel(const scalar_t* __restrict__ left,
   using acc_t = at::opmath_type<scalar_t>;
   extern __shared__ unsigned int shared_counts[];
   const int32_t discard = x_axis.bins * y_axis.bins;  // slot of pairs that are not counted
-  const int64_t slots = discard + 1;
-  unsigned int* warp_counts = shared_counts + (threadIdx.x / kWarpSize % copies) * slots;
-  if constexpr (kShared) {
-    for (int64_t i = threadIdx.x; i < slots * copies; i += blockDim.x) shared_counts[i] = 0;
-    __syncthreads();
-  }
-
+  BlockHistogram<kShared> histogram(shared_counts, discard, copies, counts);
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
   const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * rows_per_group;
   const int64_t r_end = min(n_rows, r_begin + rows_per_group);
@@ -48,22 +42,10 @@ __global__ void outer_hist2d_kernel(const scalar_t* __restrict__ left,
         const int32_t y_bin = hist2d_axis_bin(static_cast<acc_t>(w[j + k]), y_axis);
         slot = hist2d_slot(hist2d_axis_bin(x, x_axis), y_bin, y_axis.bins, discard);
       }
-      if constexpr (kShared) {
-        count_in_warp(warp_counts, static_cast<unsigned int>(slot));
-      } else if (slot < discard) {
-        atomicAdd(counts + slot, 1ULL);
-      }
+      histogram.add(slot);
     }
   }
-
-  if constexpr (kShared) {
-    __syncthreads();
-    for (int64_t b = threadIdx.x; b < discard; b += blockDim.x) {
-      unsigned long long total = 0;
-      for (int c = 0; c < copies; ++c) total += shared_counts[c * slots + b];
-      if (total > 0) atomicAdd(counts + b, total);
-    }
-  }
+  histogram.flush();
 }
 
 at::Tensor outer_hist2d_cuda(const at::Tensor& left, const at::Tensor& right,
@@ -80,7 +62,6 @@ at::Tensor outer_hist2d_cuda(const at::Tensor& left, const at::Tensor& right,
       const Hist2dAxis<acc_t> x_axis = make_hist2d_axis<acc_t>(xbins, xlo, xhi);
       const Hist2dAxis<acc_t> y_axis = make_hist2d_axis<acc_t>(ybins, ylo, yhi);
       auto* counts = reinterpret_cast<unsigned long long*>(args.counts.data_ptr<int64_t>());
-      const int copies = shared_histogram_copies(xbins * ybins + 1);
       const auto stream = current_stream();
       // Scalar loads of 4 neighbouring values per thread: a warp's loads span 128 contiguous
       // values, served by the same cache lines, and the row bookkeeping is amortised.
@@ -89,17 +70,10 @@ at::Tensor outer_hist2d_cuda(const at::Tensor& left, const at::Tensor& right,
       const scalar_t* u = args.left.const_data_ptr<scalar_t>();
       const scalar_t* v = args.right.const_data_ptr<scalar_t>();
       const scalar_t* w = args.param.const_data_ptr<scalar_t>();
-      if (copies > 0) {
-        const size_t shared_bytes = sizeof(unsigned int) * (xbins * ybins + 1) * copies;
-        outer_hist2d_kernel<scalar_t, VEC, true><<<grid.grid(), kThreads, shared_bytes, stream>>>(
-            u, v, w, n_rows, p, q, grid.rows_per_group, x_axis, y_axis,
-            static_cast<acc_t>(scale), copies, counts);
-      } else {
-        outer_hist2d_kernel<scalar_t, VEC, false><<<grid.grid(), kThreads, 0, stream>>>(
-            u, v, w, n_rows, p, q, grid.rows_per_group, x_axis, y_axis,
-            static_cast<acc_t>(scale), 1, counts);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_histogram(xbins * ybins, [&](auto shared, size_t shared_bytes, int copies) {
+        outer_hist2d_kernel<scalar_t, VEC, decltype(shared)::value><<<grid.grid(), kThreads, shared_bytes, stream>>>(
+            u, v, w, n_rows, p, q, grid.rows_per_group, x_axis, y_axis, static_cast<acc_t>(scale), copies, counts);
+      });
     });
   }
   return counts_as_float(args.counts);

@@ -1,5 +1,5 @@
 // Parallel skeleton pieces shared by the CUDA kernels: vector loads, warp reductions, the
-// warp-aggregated shared-memory histogram update and the (column tile x row group) grid.
+// privatised block histogram and its launch, and the (column tile x row group) grid.
 #pragma once
 
 // Only c10's CUDA headers: ATen/cuda/CUDAContext.h would pull in cuBLAS and cuSPARSE headers
@@ -51,6 +51,20 @@ void with_vector_width(int width, F&& f) {
   }
 }
 
+// values[k] = data[i + k] for k < VEC: one vector load when all VEC lie before `end`, else
+// value by value (0 past `end`).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_values(const T* data, int64_t i, int64_t end, T (&values)[VEC]) {
+  if (VEC > 1 && i + VEC <= end) {
+    const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(data + i);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) values[k] = pack.v[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) values[k] = i + k < end ? data[i + k] : T(0);
+  }
+}
+
 template <typename T>
 __device__ inline T warp_sum(T v) {
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
@@ -74,6 +88,70 @@ __device__ inline void count_in_warp(unsigned int* histogram, unsigned int slot)
 inline int shared_histogram_copies(int64_t slots) {
   const int64_t fit = kSharedBytes / (slots * static_cast<int64_t>(sizeof(unsigned int)));
   return static_cast<int>(std::min<int64_t>(fit, kWarps));
+}
+
+// A block's histogram of `counted` bins plus one discard slot (`counted` itself: NaN, lanes past
+// the end). With kShared, `copies` privatised copies in the block's dynamic shared memory, the
+// warps spread over them, updated with warp-aggregated atomics and flushed into the global int64
+// counts once; without, straight atomics on the global counts (too large for shared memory).
+template <bool kShared>
+class BlockHistogram {
+ public:
+  // Every thread of the block constructs it together (it clears shared memory and syncs).
+  __device__ BlockHistogram(unsigned int* shared, int64_t counted, int copies,
+                            unsigned long long* counts)
+      : shared_(shared),
+        mine_(shared + (threadIdx.x / kWarpSize % copies) * (counted + 1)),
+        counted_(counted),
+        copies_(copies),
+        counts_(counts) {
+    if constexpr (kShared) {
+      for (int64_t i = threadIdx.x; i < (counted_ + 1) * copies_; i += blockDim.x) shared_[i] = 0;
+      __syncthreads();
+    }
+  }
+
+  // Every lane of the warp calls it together (count_in_warp).
+  __device__ void add(int32_t slot) {
+    if constexpr (kShared) {
+      count_in_warp(mine_, static_cast<unsigned int>(slot));
+    } else if (slot < counted_) {
+      atomicAdd(counts_ + slot, 1ULL);
+    }
+  }
+
+  // Every thread of the block calls it once, after its last add.
+  __device__ void flush() {
+    if constexpr (kShared) {
+      __syncthreads();
+      for (int64_t b = threadIdx.x; b < counted_; b += blockDim.x) {
+        unsigned long long total = 0;
+        for (int c = 0; c < copies_; ++c) total += shared_[c * (counted_ + 1) + b];
+        if (total > 0) atomicAdd(counts_ + b, total);
+      }
+    }
+  }
+
+ private:
+  unsigned int* shared_;
+  unsigned int* mine_;
+  int64_t counted_;
+  int copies_;
+  unsigned long long* counts_;
+};
+
+// Calls launch(std::bool_constant<kShared>, shared_bytes, copies) for a histogram kernel of
+// `counted` bins (+ the discard slot): privatised copies where one fits, else global counting.
+// Checks the launch.
+template <typename F>
+void launch_histogram(int64_t counted, F&& launch) {
+  const int copies = shared_histogram_copies(counted + 1);
+  if (copies > 0) {
+    launch(std::true_type{}, sizeof(unsigned int) * (counted + 1) * copies, copies);
+  } else {
+    launch(std::false_type{}, size_t{0}, 1);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline int64_t target_blocks() {
