@@ -17,7 +17,7 @@ echo "== build (FORCE_CUDA=1)"
 FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" setup.py -q build_ext --inplace 2>&1 | tail -5
 "$PY" -c "import cockpit_fast; assert cockpit_fast.has_cuda_kernels(); print('CUDA kernels registered')"
 
-OP_TESTS="tests/test_square_norms.py tests/test_hist1d.py tests/test_hist2d.py tests/test_batch_dot.py tests/test_per_sample_stats.py tests/test_ops_contract.py"
+OP_TESTS="tests/test_square_norms.py tests/test_hist1d.py tests/test_hist2d.py tests/test_batch_dot.py tests/test_per_sample_stats.py tests/test_outer_hist1d.py tests/test_outer_hist2d.py tests/test_ops_contract.py"
 echo "== op tests (CPU and CUDA)"
 "$PY" -m pytest -q -ra $OP_TESTS 2>&1 | tee "$OUT/pytest.txt" | tail -15
 

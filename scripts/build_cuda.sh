@@ -28,7 +28,9 @@ echo "== compiling the CUDA build with $("$CUDA_HOME/bin/nvcc" --version | tail 
 (cd "$work" && "$PY" - <<'PY'
 import torch, cockpit_fast
 assert cockpit_fast.has_extension() and cockpit_fast.has_cuda_kernels(), "CUDA kernels missing"
-for op in ["batch_l2", "sum_grad_squared", "batch_l2_and_sum_grad_squared", "hist1d", "hist2d", "batch_dot", "per_sample_stats"]:
+ops = ["batch_l2", "sum_grad_squared", "batch_l2_and_sum_grad_squared", "hist1d", "hist2d", "batch_dot",
+       "per_sample_stats", "outer_hist1d", "outer_hist2d"]
+for op in ops:
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cockpit_fast::{op}", "CUDA"), op
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cockpit_fast::{op}", "CPU"), op
 print("CUDA build OK: every op has CPU and CUDA kernels (torch", torch.__version__, ")")
