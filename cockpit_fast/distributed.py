@@ -16,7 +16,8 @@ each rank. A step's reductions travel in four collectives, each over one flat bu
 4. ``all_reduce(MAX)`` of the abs-maxima that bin adaptation asks for.
 
 Statistics that read the mini-batch gradient (dot products with it, plain SGD's update in Alpha)
-are computed between 2 and 3, from the per-sample gradients the hook kept for them.
+are computed between 2 and 3, from the per-sample gradients the hook kept for them. The batch
+sizes of 1 are read on the host (they lay out 3): on a GPU the one synchronisation of the step.
 
 The gradient is this rank's own, captured by a tensor hook as the backward pass produces it, not
 ``param.grad``, which DistributedDataParallel overwrites with the plain average over ranks (not
