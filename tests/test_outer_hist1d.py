@@ -59,6 +59,22 @@ def test_same_counts_as_hist1d_of_the_materialised_outer_products(dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 40])  # binned directly, and by runs over the sorted factor
+def test_relu_like_zero_rows(device, dtype, rows):
+    # Half the output gradient is exactly zero (units a ReLU switched off), some of it -0.0;
+    # the other factor holds infinities and NaN, whose products with 0 are NaN and not counted.
+    delta, inputs = factors(6, rows, 50, dtype, device, seed=11)
+    off = torch.rand(delta.shape, generator=torch.Generator().manual_seed(12)) < 0.5
+    delta[off.to(device)] = 0.0
+    delta[0, :3] = -0.0
+    inputs[1, 0], inputs[2, 1], inputs[3, 2] = float("inf"), -float("inf"), float("nan")
+    for scale in (6.0, -1.5):
+        counts = ops.outer_hist1d(delta, inputs, 13, (-0.7, 0.4), scale)
+        assert torch.equal(counts, reference.outer_hist1d(delta, inputs, 13, (-0.7, 0.4), scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [5, 20])  # the CPU kernel bins few rows directly, many by runs
 def test_zero_nan_and_infinite_factors(device, rows):
     delta, inputs = factors(4, rows, 30, device=device, seed=5)

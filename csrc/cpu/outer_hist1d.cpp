@@ -6,8 +6,10 @@
 // with one sample's longer factor sorted, a row's bins form runs, and each run is measured with
 // a galloping search: a row costs O(runs * log q) instead of O(q). Gradients sit in few bins,
 // so runs are few. The bins are those of the very products the materialised op sees, so the
-// counts are the same, exactly. Rows with a zero or non-finite factor are binned one by one,
-// and so is every row when there are too few rows to pay for the sort.
+// counts are the same, exactly. A zero factor (a ReLU unit that was off: often half the rows)
+// puts every finite value in the bin of 0 at once (0 * ±inf is NaN, never counted). Rows with a
+// non-finite factor are binned one by one, and so is every row when there are too few rows to
+// pay for the sort.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -45,7 +47,12 @@ struct RowCounter {
     for (int64_t j = 0; j < len; ++j) ++counts[slot(u, values[j])];
   }
 
-  // The same for ascending, NaN-free values: run by run when u allows.
+  // For u == 0: the `finite` finite values among them all land in the bin of ±0.
+  void count_zero_row(int64_t finite, int64_t* counts) const {
+    counts[slot(scalar_t(0), scalar_t(0))] += finite;
+  }
+
+  // The same as count_each for ascending, NaN-free values: run by run when u allows.
   void count_sorted(scalar_t u, const scalar_t* sorted, int64_t len, int64_t* counts) const {
     if (!monotone(u)) return count_each(u, sorted, len, counts);
     int64_t start = 0;
@@ -96,8 +103,17 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
     for (int64_t sample = begin; sample < end; ++sample) {
       const scalar_t* u = rows + sample * p;
       const scalar_t* v = columns + sample * q;
+      const int64_t finite = std::count_if(v, v + q, [](scalar_t x) {
+        return std::isfinite(static_cast<acc_t>(x));
+      });
       if (!sort) {
-        for (int64_t i = 0; i < p; ++i) counter.count_each(u[i], v, q, mine);
+        for (int64_t i = 0; i < p; ++i) {
+          if (static_cast<acc_t>(u[i]) == 0) {
+            counter.count_zero_row(finite, mine);
+          } else {
+            counter.count_each(u[i], v, q, mine);
+          }
+        }
         continue;
       }
       // NaN times anything is NaN and never counted: leave those values out.
@@ -107,7 +123,13 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
       std::sort(sorted.begin(), sorted.begin() + len, [](scalar_t x, scalar_t y) {
         return static_cast<acc_t>(x) < static_cast<acc_t>(y);
       });
-      for (int64_t i = 0; i < p; ++i) counter.count_sorted(u[i], sorted.data(), len, mine);
+      for (int64_t i = 0; i < p; ++i) {
+        if (static_cast<acc_t>(u[i]) == 0) {
+          counter.count_zero_row(finite, mine);
+        } else {
+          counter.count_sorted(u[i], sorted.data(), len, mine);
+        }
+      }
     }
   });
   histograms.sum_into(counts.data_ptr<int64_t>(), bins);
