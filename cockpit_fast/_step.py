@@ -38,25 +38,27 @@ class HotParameter:
         grad_batch (torch.Tensor): Per-sample gradients, detached: BackPACK's ``grad_batch`` or
             a chunk of consecutive samples formed from :class:`~cockpit_fast.factors.WeightFactors`.
         batch_size (int): Samples in the mini-batch (more than ``grad_batch`` holds for a chunk).
-        grad (torch.Tensor, optional): The mini-batch gradient; summed from ``grad_batch`` if
-            not given.
+        grad (torch.Tensor, optional): The mini-batch gradient; if not given, it is formed from
+            ``factors`` or summed from ``grad_batch`` when a statistic first reads it.
+        factors (WeightFactors, optional): The factors the per-sample gradients come from.
     """
 
-    def __init__(self, index, param, grad_batch, batch_size, grad=None):
+    def __init__(self, index, param, grad_batch, batch_size, grad=None, factors=None):
         self.index = index
         self.param = param
         self.grad_batch = grad_batch
         self.batch_size = batch_size
+        self._factors = factors
         if grad is not None:
             self.grad = grad
 
     @cached_property
     def grad(self):
-        """The mini-batch gradient, summed from ``grad_batch`` once for all statistics.
+        """The mini-batch gradient, formed once for all statistics that read it.
 
         ``param.grad`` is not yet written when the hook runs.
         """
-        return self.grad_batch.sum(0)
+        return self._factors.grad if self._factors is not None else self.grad_batch.sum(0)
 
 
 class Statistic:
@@ -457,7 +459,7 @@ def compute_statistics(index, param, source, statistics, grad=None):
         return {}
     if not isinstance(source, WeightFactors):
         return _from_grad_batch(HotParameter(index, param, source.detach(), source.shape[0], grad=grad), statistics)
-    hot = HotParameter(index, param, None, source.batch_size, grad=source.grad if grad is None else grad)
+    hot = HotParameter(index, param, None, source.batch_size, grad=grad, factors=source)
     values, from_chunks = {}, set()
     for statistic in statistics:
         value = statistic.from_factors(source, hot)
@@ -468,7 +470,7 @@ def compute_statistics(index, param, source, statistics, grad=None):
     if from_chunks:
         parts = defaultdict(list)
         for chunk in source.chunks():
-            chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=hot.grad)
+            chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=grad, factors=source)
             for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
                 parts[statistic].append(value)
         for statistic in from_chunks:
