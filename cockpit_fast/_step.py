@@ -256,9 +256,10 @@ def extensions_for(statistics, route="auto", user_extensions=()):
     """The BackPACK extension from which the hook computes ``statistics``.
 
     ``"auto"`` takes the factor route (:class:`~cockpit_fast.factors.GradBatchFactors`) whenever it
-    serves every statistic, else BackPACK's ``BatchGrad``; ``"factors"`` insists on the factor
-    route (ValueError if a statistic needs ``grad_batch`` itself); ``"grad_batch"`` always
-    materialises. Nothing is added when the user computes ``BatchGrad`` anyway.
+    serves every statistic, with factors for the layers where they pay
+    (:func:`~cockpit_fast.factors.factors_pay`), else BackPACK's ``BatchGrad``; ``"factors"``
+    insists on factors for every layer that has them (ValueError if a statistic needs
+    ``grad_batch`` itself); ``"grad_batch"`` always materialises. Nothing is added when the user computes ``BatchGrad`` anyway.
     """
     if route not in ROUTES:
         raise ValueError(f"per_sample_route must be one of {ROUTES}, got {route!r}")
@@ -269,7 +270,7 @@ def extensions_for(statistics, route="auto", user_extensions=()):
         raise ValueError(f"per_sample_route='factors' cannot compute {unserved}: use 'auto' or 'grad_batch'")
     if route == "grad_batch" or unserved:
         return [BatchGrad()]
-    return [GradBatchFactors()]
+    return [GradBatchFactors(force=route == "factors")]
 
 
 class StepContext:

@@ -39,9 +39,10 @@ class Cockpit:
         per_sample_route (str, optional): Where per-sample statistics come from. ``"auto"``
             (default): the weights of Linear and Conv2d layers from their input and output
             gradient without materialising per-sample gradients (:mod:`cockpit_fast.factors`),
-            whenever that serves every statistic of the step, else BackPACK's ``grad_batch``.
-            ``"factors"``: always the former (a step needing ``grad_batch`` itself raises);
-            ``"grad_batch"``: always the latter. Results agree to rounding.
+            where those factors are smaller than the gradient and every statistic of the step
+            can be served so; else BackPACK's ``grad_batch``. ``"factors"``: factors for every
+            such layer, cheaper or not (a step needing ``grad_batch`` itself raises);
+            ``"grad_batch"``: never. Results agree to rounding.
         process_group (optional): Under ``torch.distributed``, the processes whose samples form
             the global batch; every quantity is then that of the global batch
             (:mod:`cockpit_fast.distributed`). Defaults to the world group when

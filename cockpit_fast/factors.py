@@ -14,7 +14,11 @@ factors instead, and :class:`WeightFactors` computes each statistic from them:
   cheaper, dot products by matrix products, and the rest from per-sample gradients formed for a
   few samples at a time (:meth:`WeightFactors.chunks`), never for the whole batch.
 
-Biases keep BackPACK's ``grad_batch`` (N x out, no bigger than the output gradient itself).
+Factors pay where they are smaller than the gradient they stand for (:func:`factors_pay`):
+elsewhere (convolutions over many positions with few channels, say) every statistic would form
+per-sample gradients anyway, and BackPACK forms them faster; there :class:`GradBatchFactors`
+hands on BackPACK's ``grad_batch`` unless forced. Biases keep BackPACK's ``grad_batch`` (N x out,
+no bigger than the output gradient itself).
 """
 
 import math
@@ -32,6 +36,13 @@ from cockpit_fast._validation import accumulation_dtype
 
 CHUNK_VALUES = 2**22
 """Most per-sample gradient values formed at once where a statistic needs them (16 MiB float32)."""
+
+
+def factors_pay(positions, out_features, in_features):
+    """Whether a weight's per-sample gradients are cheaper to work with as factors: one outer
+    product each, or factors (``positions * (out + in)`` values a sample) smaller than the
+    gradient itself (``out * in``)."""
+    return positions == 1 or positions * (out_features + in_features) < out_features * in_features
 
 
 class WeightFactors:
@@ -74,7 +85,7 @@ class WeightFactors:
         if self.is_outer_product:
             return (delta[:, 0] ** 2).sum(1) * (a[:, 0] ** 2).sum(1)
         t, p, q = self.positions, self.out_features, self.in_features
-        if t * (p + q) >= p * q:
+        if not factors_pay(t, p, q):
             return None
         return (delta @ delta.transpose(1, 2) * (a @ a.transpose(1, 2))).sum((1, 2))
 
@@ -144,28 +155,51 @@ def conv2d_has_factors(module):
     return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
+def conv2d_positions(g_out):
+    """Output positions of a ``Conv2d`` layer: what its unfolded factors have per sample."""
+    return math.prod(g_out[0].shape[2:])
+
+
 class _LinearWeightFactors(BatchGradLinear):
+    def __init__(self, force):
+        super().__init__()
+        self._force = force
+
     def weight(self, ext, module, g_inp, g_out, backproped):
-        return linear_factors(module, g_out)
+        positions = math.prod(module.input0.shape[1:-1])
+        if self._force or factors_pay(positions, module.out_features, module.in_features):
+            return linear_factors(module, g_out)
+        return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
 
 
 class _Conv2dWeightFactors(BatchGradConv2d):
+    def __init__(self, force):
+        super().__init__()
+        self._force = force
+
     def weight(self, ext, module, g_inp, g_out, backproped):
-        if not conv2d_has_factors(module):  # BatchGrad's own weight function
-            return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
-        return conv2d_factors(module, g_out)
+        in_features = module.weight[0].numel()
+        pays = factors_pay(conv2d_positions(g_out), module.out_channels, in_features)
+        if conv2d_has_factors(module) and (self._force or pays):
+            return conv2d_factors(module, g_out)
+        return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)  # BatchGrad's
 
 
 class GradBatchFactors(BatchGrad):
     """BackPACK extension: ``BatchGrad``, except that Linear and Conv2d weights get factors.
 
     Saves to ``grad_batch_factors``: a :class:`WeightFactors` for the weight of every Linear layer
-    and of every Conv2d layer :func:`conv2d_has_factors` covers, BackPACK's ``grad_batch`` tensor
-    for every other parameter (biases, other layers).
+    and of every Conv2d layer :func:`conv2d_has_factors` covers where :func:`factors_pay` (every
+    one of them if ``force``), BackPACK's ``grad_batch`` tensor for every other parameter
+    (biases, other layers).
+
+    Args:
+        force (bool, optional): Factors wherever they are possible, even where materialising
+            is cheaper. Defaults to ``False``.
     """
 
-    def __init__(self):
+    def __init__(self, force=False):
         super().__init__()
         self.savefield = "grad_batch_factors"
-        self.set_module_extension(Linear, _LinearWeightFactors(), overwrite=True)
-        self.set_module_extension(Conv2d, _Conv2dWeightFactors(), overwrite=True)
+        self.set_module_extension(Linear, _LinearWeightFactors(force), overwrite=True)
+        self.set_module_extension(Conv2d, _Conv2dWeightFactors(force), overwrite=True)

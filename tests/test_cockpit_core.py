@@ -23,9 +23,10 @@ ref_schedules = pytest.importorskip("cockpit.utils.schedules")
 
 BATCH_SIZE = 8
 MODELS = ["mlp", "cnn", "sequence"]
-# cockpit_fast's per-sample routes: factors wherever they serve the step (the default), and
-# BackPACK's materialised grad_batch. Quantities of per-sample gradients are checked on both.
-ROUTES = ["auto", "grad_batch"]
+# cockpit_fast's per-sample routes: factors where they pay and serve the step (the default),
+# factors wherever possible, and BackPACK's materialised grad_batch. Quantities of per-sample
+# gradients are checked on all three.
+ROUTES = ["auto", "factors", "grad_batch"]
 
 
 def build_model(name):

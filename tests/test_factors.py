@@ -85,7 +85,7 @@ def test_factor_route_equals_materialised_route(layer_name, dtype, n, monkeypatc
     requests = requests_for(grad_batches, params)
 
     materialised, _ = statistics_on(layer, inputs, BatchGrad(), requests)
-    factored, sources = statistics_on(layer, inputs, factors.GradBatchFactors(), requests)
+    factored, sources = statistics_on(layer, inputs, factors.GradBatchFactors(force=True), requests)
     assert (factors.WeightFactors in sources) == (layer_name in COVERED)
 
     rtol = 1e-5 if dtype == torch.float32 else 1e-10
@@ -126,3 +126,24 @@ def test_chunks_bound_what_is_formed_at_once(monkeypatch):
     chunks = list(weight_factors.chunks())
     assert [c.shape[0] for c in chunks] == [2, 2, 2, 2, 2]
     torch.testing.assert_close(torch.cat(chunks), torch.einsum("nto,nti->noi", delta, a))
+
+
+@pytest.mark.parametrize(
+    "make, input_shape, factored",
+    [
+        (lambda: torch.nn.Linear(30, 20), (30,), True),  # one outer product per sample
+        (lambda: torch.nn.Linear(30, 20), (3, 30), True),  # 3 * (20 + 30) < 20 * 30
+        (lambda: torch.nn.Linear(4, 3), (5, 4), False),  # 5 * (3 + 4) > 3 * 4
+        (lambda: torch.nn.Conv2d(64, 64, 3), (64, 6, 6), True),  # 16 positions, 576 inputs
+        (lambda: torch.nn.Conv2d(3, 16, 3, padding=1), (3, 32, 32), False),  # 1024 positions
+    ],
+    ids=["linear", "linear-short-sequence", "linear-long-sequence", "conv-deep", "conv-wide"],
+)
+def test_factors_only_where_they_pay_unless_forced(make, input_shape, factored):
+    layer = extend(make())
+    inputs = torch.randn(2, *input_shape)
+    _, chosen = statistics_on(layer, inputs, factors.GradBatchFactors(), [BATCH_L2])
+    _, forced = statistics_on(layer, inputs, factors.GradBatchFactors(force=True), [BATCH_L2])
+    assert (chosen[0] is factors.WeightFactors) == factored
+    assert forced[0] is factors.WeightFactors
+    assert chosen[1] is not factors.WeightFactors  # the bias keeps its grad_batch
