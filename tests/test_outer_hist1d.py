@@ -60,6 +60,20 @@ def test_same_counts_as_hist1d_of_the_materialised_outer_products(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [4.0, -4.0])  # products rising and falling along sorted values
+def test_products_exactly_on_bin_edges(device, dtype, scale):
+    # Dyadic factors: scale * u * v is a multiple of 1/16, exactly, and so is every bin edge of
+    # 32 bins over [-1, 1]: most products sit on an edge, where a run ends.
+    gen = torch.Generator().manual_seed(21)
+    delta = (torch.randint(-4, 5, (7, 40), generator=gen) / 16).to(device=device, dtype=dtype)
+    inputs = (torch.randint(-8, 9, (7, 33), generator=gen) / 4).to(device=device, dtype=dtype)
+    counts = ops.outer_hist1d(delta, inputs, 32, (-1.0, 1.0), scale)
+    assert torch.equal(counts, reference.outer_hist1d(delta, inputs, 32, (-1.0, 1.0), scale))
+    assert counts.sum() == 7 * 40 * 33
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [5, 40])  # binned directly, and by runs over the sorted factor
 def test_relu_like_zero_rows(device, dtype, rows):
     # Half the output gradient is exactly zero (units a ReLU switched off), some of it -0.0;

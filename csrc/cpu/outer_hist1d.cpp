@@ -3,10 +3,10 @@
 //
 // For a finite, nonzero factor u and scale, the bin of scale * (u * v) is monotone in v: every
 // step (the rounded product, the cast, the scaling, the clamp, the bin rule) is monotone. So
-// with one sample's longer factor sorted, a row's bins form runs, and each run is measured with
-// a galloping search: a row costs O(runs * log q) instead of O(q). Gradients sit in few bins,
-// so runs are few. The bins are those of the very products the materialised op sees, so the
-// counts are the same, exactly. A zero factor (a ReLU unit that was off: often half the rows)
+// with one sample's longer factor sorted (radix sort), a row's bins form runs, and each run's
+// end is found from the bin's threshold, computed once per call: a row costs O(bins it spans *
+// log q) instead of O(q), and gradients span few bins. The comparisons are made on the very
+// products the materialised op bins, so the counts are the same, exactly. A zero factor (a ReLU unit that was off: often half the rows)
 // puts every finite value in the bin of 0 at once (0 * ±inf is NaN, never counted). Rows with a
 // non-finite factor are binned one by one, and so is every row when there are too few rows to
 // pay for the sort.
@@ -17,6 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cockpit_fast/entry.h"
@@ -26,21 +29,59 @@
 namespace cockpit_fast {
 namespace {
 
+// Unsigned keys that order like the floats (sign bit flipped for positives, all bits for
+// negatives; -0 before +0, which bin alike), and back.
+template <typename T>
+using KeyOf = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>;
+
+template <typename T>
+KeyOf<T> order_key(T v) {
+  using Key = KeyOf<T>;
+  constexpr Key kSign = Key(1) << (8 * sizeof(Key) - 1);
+  Key bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return static_cast<Key>(bits & kSign ? ~bits : bits | kSign);
+}
+
+template <typename T>
+T from_order_key(KeyOf<T> key) {
+  using Key = KeyOf<T>;
+  constexpr Key kSign = Key(1) << (8 * sizeof(Key) - 1);
+  const Key bits = static_cast<Key>(key & kSign ? key ^ kSign : ~key);
+  T v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+constexpr int64_t kMaxThresholdBins = 4096;  // thresholds cost 32 (64 for double) bin evaluations each
+
 template <typename scalar_t>
-struct RowCounter {
+class RowCounter {
+ public:
   using acc_t = at::opmath_type<scalar_t>;
-  Hist1dBins<acc_t> bins;
-  acc_t scale;
 
-  int32_t slot(scalar_t u, scalar_t v) const {
-    return hist1d_slot(scale * static_cast<acc_t>(outer_element(u, v)), bins);
+  RowCounter(int64_t bins, double lo, double hi, double scale)
+      : bins_(make_hist1d_bins<acc_t>(bins, lo, hi)), scale_(static_cast<acc_t>(scale)) {
+    if (bins > kMaxThresholdBins) return;
+    // thresholds_[k], 0 < k < bins: the smallest x whose bin is k or more, by bisection over
+    // the floats between lo (bin 0) and hi (the last bin); the bin rule is monotone in x.
+    thresholds_.resize(bins);
+    for (int64_t k = 1; k < bins; ++k) {
+      auto below = order_key(bins_.lo), reached = order_key(bins_.hi);
+      while (reached - below > 1) {
+        const auto middle = static_cast<KeyOf<acc_t>>(below + (reached - below) / 2);
+        (hist1d_slot(from_order_key<acc_t>(middle), bins_) >= k ? reached : below) = middle;
+      }
+      thresholds_[k] = from_order_key<acc_t>(reached);
+    }
   }
 
-  // Whether the bins of u * v are monotone in v (else products may be NaN).
-  bool monotone(scalar_t u) const {
-    const acc_t u_acc = static_cast<acc_t>(u);
-    return std::isfinite(u_acc) && u_acc != 0 && scale != 0;
-  }
+  // Whether rows can be counted run by run over sorted values (else count_each).
+  bool counts_runs() const { return !thresholds_.empty(); }
+
+  acc_t value(scalar_t u, scalar_t v) const { return scale_ * static_cast<acc_t>(outer_element(u, v)); }
+
+  int32_t slot(scalar_t u, scalar_t v) const { return hist1d_slot(value(u, v), bins_); }
 
   // Adds the bins of u * values[j], j < len, one by one (NaN goes to the discard slot).
   void count_each(scalar_t u, const scalar_t* values, int64_t len, int64_t* counts) const {
@@ -52,28 +93,79 @@ struct RowCounter {
     counts[slot(scalar_t(0), scalar_t(0))] += finite;
   }
 
-  // The same as count_each for ascending, NaN-free values: run by run when u allows.
+  // The same as count_each for ascending, NaN-free values, run by run: with u finite and
+  // nonzero, x = scale * (u * v) is monotone in v, so bin k's run ends where x first reaches
+  // thresholds_[k + 1]. That position is guessed by a binary search for v = threshold / slope
+  // with plain comparisons, then settled on the products themselves (the very values the
+  // materialised op bins: the counts are exact).
   void count_sorted(scalar_t u, const scalar_t* sorted, int64_t len, int64_t* counts) const {
-    if (!monotone(u)) return count_each(u, sorted, len, counts);
-    int64_t start = 0;
-    while (start < len) {
-      const int32_t bin = slot(u, sorted[start]);
-      // Gallop past the run of `bin`, then bisect: slot(inside) == bin, slot(outside) != bin.
-      int64_t inside = start, outside = start + 1, step = 1;
-      while (outside < len && slot(u, sorted[outside]) == bin) {
-        inside = outside;
-        step *= 2;
-        outside = std::min(len, inside + step);
+    const acc_t slope = scale_ * static_cast<acc_t>(u);
+    if (!std::isfinite(slope) || slope == 0) return count_each(u, sorted, len, counts);
+    const bool rising = slope > 0;
+    const auto at = [&](int64_t i) { return sorted[rising ? i : len - 1 - i]; };  // x ascends in i
+    int32_t bin = slot(u, at(0));
+    const int32_t last = slot(u, at(len - 1));
+    int64_t start = 0;  // first position of `bin`'s run
+    for (int32_t k = bin + 1; k <= last; ++k) {
+      const acc_t threshold = thresholds_[k];
+      const auto reaches = [&](int64_t i) { return value(u, at(i)) >= threshold; };
+      const acc_t v_guess = threshold / slope;
+      int64_t lo = start, hi = len - 1;
+      while (lo < hi) {
+        const int64_t middle = lo + (hi - lo) / 2;
+        const acc_t v = static_cast<acc_t>(at(middle));
+        (rising ? v < v_guess : v > v_guess) ? lo = middle + 1 : hi = middle;
       }
-      while (outside - inside > 1) {
-        const int64_t middle = inside + (outside - inside) / 2;
-        (slot(u, sorted[middle]) == bin ? inside : outside) = middle;
+      // The run ends at the first position from `start` that reaches the threshold; the last
+      // position does (its bin is `last` >= k). Gallop from the guess to bracket it between
+      // `no` (does not reach, or start - 1) and `yes` (reaches), then bisect.
+      int64_t yes = lo, no = lo, step = 1;
+      if (reaches(yes)) {
+        for (no = yes - 1; no >= start && reaches(no); no = yes - step) {
+          yes = no;
+          step *= 2;
+        }
+        no = std::max(no, start - 1);
+      } else {
+        for (yes = std::min(no + 1, len - 1); !reaches(yes); yes = std::min(no + step, len - 1)) {
+          no = yes;
+          step *= 2;
+        }
       }
-      counts[bin] += outside - start;
-      start = outside;
+      while (yes - no > 1) {
+        const int64_t middle = no + (yes - no) / 2;
+        (reaches(middle) ? yes : no) = middle;
+      }
+      counts[bin] += yes - start;
+      start = yes;
+      bin = k;
     }
+    counts[bin] += len - start;
   }
+
+ private:
+  Hist1dBins<acc_t> bins_;
+  acc_t scale_;
+  std::vector<acc_t> thresholds_;
 };
+
+// Sorts n NaN-free values ascending by LSD radix sort on their order keys, one byte a pass:
+// O(n) per pass where std::sort costs O(n log n) comparisons. `scratch` holds n values. Passes
+// whose byte is the same for every value are skipped.
+template <typename scalar_t>
+void radix_sort(scalar_t* values, scalar_t* scratch, int64_t n) {
+  scalar_t* from = values;
+  scalar_t* to = scratch;
+  for (unsigned shift = 0; shift < 8 * sizeof(scalar_t); shift += 8) {
+    int64_t starts[257] = {0};
+    for (int64_t i = 0; i < n; ++i) ++starts[((order_key(from[i]) >> shift) & 0xFF) + 1];
+    if (std::any_of(starts + 1, starts + 257, [n](int64_t c) { return c == n; })) continue;
+    for (int digit = 0; digit < 256; ++digit) starts[digit + 1] += starts[digit];
+    for (int64_t i = 0; i < n; ++i) to[starts[(order_key(from[i]) >> shift) & 0xFF]++] = from[i];
+    std::swap(from, to);
+  }
+  if (from != values) std::copy(from, from + n, values);
+}
 
 // Sorting a sample's q values costs about as much as binning log2(q) rows directly.
 inline bool sorting_pays(int64_t rows, int64_t q) {
@@ -93,13 +185,13 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
   const int64_t n = left.size(0), p = row_factor.size(1), q = sorted_factor.size(1);
   const scalar_t* rows = row_factor.const_data_ptr<scalar_t>();
   const scalar_t* columns = sorted_factor.const_data_ptr<scalar_t>();
-  const RowCounter<scalar_t> counter{make_hist1d_bins<acc_t>(bins, lo, hi), static_cast<acc_t>(scale)};
-  const bool sort = sorting_pays(p, q);
+  const RowCounter<scalar_t> counter(bins, lo, hi, scale);
+  const bool sort = sorting_pays(p, q) && counter.counts_runs();
   PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
 
   at::parallel_for(0, n, grain_for(p * q), [&](int64_t begin, int64_t end) {
     int64_t* mine = histograms.mine();
-    std::vector<scalar_t> sorted(sort ? q : 0);
+    std::vector<scalar_t> sorted(sort ? q : 0), scratch(sort ? q : 0);
     for (int64_t sample = begin; sample < end; ++sample) {
       const scalar_t* u = rows + sample * p;
       const scalar_t* v = columns + sample * q;
@@ -120,9 +212,7 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
       const int64_t len = std::copy_if(v, v + q, sorted.begin(), [](scalar_t x) {
                             return !is_nan(static_cast<acc_t>(x));
                           }) - sorted.begin();
-      std::sort(sorted.begin(), sorted.begin() + len, [](scalar_t x, scalar_t y) {
-        return static_cast<acc_t>(x) < static_cast<acc_t>(y);
-      });
+      radix_sort(sorted.data(), scratch.data(), len);
       for (int64_t i = 0; i < p; ++i) {
         if (static_cast<acc_t>(u[i]) == 0) {
           counter.count_zero_row(finite, mine);
