@@ -168,6 +168,14 @@ class Cockpit:
         unless ``log_all_ranks``."""
         return is_writer(self.process_group, self.log_all_ranks)
 
+    @property
+    def rank_suffix(self):
+        """``"_rank<r>"`` where every process writes its own files (``log_all_ranks`` under
+        ``torch.distributed``), else ``""``."""
+        if self.process_group is not None and self.log_all_ranks:
+            return f"_rank{torch.distributed.get_rank(self.process_group)}"
+        return ""
+
     def write(self, logpath):
         """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
 
@@ -176,9 +184,7 @@ class Cockpit:
         """
         if not self.is_writer():
             return
-        if self.process_group is not None and self.log_all_ranks:
-            logpath = f"{logpath}_rank{torch.distributed.get_rank(self.process_group)}"
-        path = logpath + ".json"
+        path = logpath + self.rank_suffix + ".json"
         print(f"[cockpit] writing output to {path}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as file:

@@ -83,10 +83,18 @@ class CockpitPlotter:
             plot_title: Figure title; defaults to "Cockpit for <optimizer>" (or "Cockpit").
             debug: Warn about every panel that lacks data.
 
+        Under ``torch.distributed`` a cockpit is drawn by rank 0 only (every rank holds the same
+        global output), unless it was made with ``log_all_ranks=True``: then each rank draws, and
+        saves with ``_rank<r>`` appended to ``savename``.
+
         Raises:
             ValueError: If ``source`` is neither a cockpit nor a path, or if a cockpit's
                 dashboard should be saved without a ``savedir``.
         """
+        if hasattr(source, "is_writer"):
+            if not source.is_writer():
+                return
+            savename += source.rank_suffix
         if save_plot and savedir is None:
             if not isinstance(source, (str, os.PathLike)):
                 raise ValueError("Please specify savedir when plotting a Cockpit.")

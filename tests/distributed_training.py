@@ -67,7 +67,8 @@ def train(config, rank=0, rank_sizes=None, out=None):
     config keys: model, quantities (a QUANTITY_SETS key), steps, route, optimizer, sync
     ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
     fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
-    log_all_ranks. The log goes to ``out``, a folder of this rank's own.
+    log_all_ranks, plot (save the dashboard too). Logs and plots go to ``out``, a folder of this
+    rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
     distributed = len(rank_sizes) > 1
@@ -118,7 +119,11 @@ def train(config, rank=0, rank_sizes=None, out=None):
     if out is not None:
         logpath = str(Path(out) / "log")
         cockpit.write(logpath)
-        written = sorted(path.name for path in Path(out).glob("log*.json"))
+        if config.get("plot"):
+            from cockpit_fast.plotter import CockpitPlotter
+
+            CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=out)
+        written = sorted(path.name for path in Path(out).iterdir())
     return {"output": _plain(cockpit.get_output()), "written": written}
 
 

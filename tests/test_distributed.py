@@ -78,15 +78,19 @@ def test_hessian_max_eigenvalue_from_combined_hessian_vector_products(tmp_path):
             assert np.isclose(result["output"][step]["HessMaxEV"], expected[step]["HessMaxEV"], rtol=1e-2)
 
 
-def test_only_rank_zero_writes_the_log(tmp_path):
-    config = {"model": "mlp", "quantities": "every", "steps": 1}
-    assert [r["written"] for r in run_group([2, 2], config, tmp_path)] == [["log.json"], []]
-
-
-def test_every_rank_writes_its_own_log_when_asked(tmp_path):
-    config = {"model": "mlp", "quantities": "every", "steps": 1, "log_all_ranks": True}
+def test_only_rank_zero_writes_the_log_and_the_dashboard(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 2, "plot": True}
     written = [r["written"] for r in run_group([2, 2], config, tmp_path)]
-    assert written == [["log_rank0.json"], ["log_rank1.json"]]
+    assert written == [["cockpit__primary.png", "log.json"], []]
+
+
+def test_every_rank_writes_its_own_log_and_dashboard_when_asked(tmp_path):
+    config = {"model": "mlp", "quantities": "every", "steps": 2, "log_all_ranks": True, "plot": True}
+    written = [r["written"] for r in run_group([2, 2], config, tmp_path)]
+    assert written == [
+        ["cockpit_rank0__primary.png", "log_rank0.json"],
+        ["cockpit_rank1__primary.png", "log_rank1.json"],
+    ]
 
 
 def test_steps_that_read_no_batch_exchange_nothing(tmp_path):
