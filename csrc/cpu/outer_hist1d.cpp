@@ -60,9 +60,10 @@ class RowCounter {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  RowCounter(int64_t bins, double lo, double hi, double scale)
+  // `runs`: whether rows will be counted run by run (the thresholds are only worked out then).
+  RowCounter(int64_t bins, double lo, double hi, double scale, bool runs)
       : bins_(make_hist1d_bins<acc_t>(bins, lo, hi)), scale_(static_cast<acc_t>(scale)) {
-    if (bins > kMaxThresholdBins) return;
+    if (!runs || bins > kMaxThresholdBins) return;
     // thresholds_[k], 0 < k < bins: the smallest x whose bin is k or more, by bisection over
     // the floats between lo (bin 0) and hi (the last bin); the bin rule is monotone in x.
     thresholds_.resize(bins);
@@ -185,8 +186,8 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
   const int64_t n = left.size(0), p = row_factor.size(1), q = sorted_factor.size(1);
   const scalar_t* rows = row_factor.const_data_ptr<scalar_t>();
   const scalar_t* columns = sorted_factor.const_data_ptr<scalar_t>();
-  const RowCounter<scalar_t> counter(bins, lo, hi, scale);
-  const bool sort = sorting_pays(p, q) && counter.counts_runs();
+  const RowCounter<scalar_t> counter(bins, lo, hi, scale, sorting_pays(p, q));
+  const bool sort = counter.counts_runs();
   PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
 
   at::parallel_for(0, n, grain_for(p * q), [&](int64_t begin, int64_t end) {
@@ -198,26 +199,20 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
       const int64_t finite = std::count_if(v, v + q, [](scalar_t x) {
         return std::isfinite(static_cast<acc_t>(x));
       });
-      if (!sort) {
-        for (int64_t i = 0; i < p; ++i) {
-          if (static_cast<acc_t>(u[i]) == 0) {
-            counter.count_zero_row(finite, mine);
-          } else {
-            counter.count_each(u[i], v, q, mine);
-          }
-        }
-        continue;
+      int64_t len = 0;
+      if (sort) {  // NaN times anything is NaN and never counted: leave those values out.
+        len = std::copy_if(v, v + q, sorted.begin(), [](scalar_t x) {
+                return !is_nan(static_cast<acc_t>(x));
+              }) - sorted.begin();
+        radix_sort(sorted.data(), scratch.data(), len);
       }
-      // NaN times anything is NaN and never counted: leave those values out.
-      const int64_t len = std::copy_if(v, v + q, sorted.begin(), [](scalar_t x) {
-                            return !is_nan(static_cast<acc_t>(x));
-                          }) - sorted.begin();
-      radix_sort(sorted.data(), scratch.data(), len);
       for (int64_t i = 0; i < p; ++i) {
         if (static_cast<acc_t>(u[i]) == 0) {
           counter.count_zero_row(finite, mine);
-        } else {
+        } else if (sort) {
           counter.count_sorted(u[i], sorted.data(), len, mine);
+        } else {
+          counter.count_each(u[i], v, q, mine);
         }
       }
     }
