@@ -259,7 +259,8 @@ def extensions_for(statistics, route="auto", user_extensions=()):
     serves every statistic, with factors for the layers where they pay
     (:func:`~cockpit_fast.factors.factors_pay`), else BackPACK's ``BatchGrad``; ``"factors"``
     insists on factors for every layer that has them (ValueError if a statistic needs
-    ``grad_batch`` itself); ``"grad_batch"`` always materialises. Nothing is added when the user computes ``BatchGrad`` anyway.
+    ``grad_batch`` itself); ``"grad_batch"`` always materialises. Nothing is added when the
+    user computes ``BatchGrad`` anyway.
     """
     if route not in ROUTES:
         raise ValueError(f"per_sample_route must be one of {ROUTES}, got {route!r}")
@@ -285,7 +286,8 @@ class StepContext:
         global_step (int): The step being tracked.
         params (list[torch.Tensor]): The tracked parameters, in output order.
         info (dict): What the user handed to ``cockpit(..., info=...)``.
-        group (optional): The process group the statistics are reduced over; None: this process.
+        group (optional): The process group this step's batch is combined over; None: this
+            process alone (no group, or no quantity reads the batch at this step).
     """
 
     def __init__(self, global_step, params, info, group=None):

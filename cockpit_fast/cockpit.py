@@ -102,17 +102,14 @@ class Cockpit:
         info = {} if info is None else info
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
-        return _TrackedBackward(self, StepContext(global_step, self.params, info, self.process_group), exts, debug)
-
-    def _reduces(self, global_step):
-        """Whether ``global_step`` combines the processes' batches (some quantity reads them)."""
-        if self.process_group is None:
-            return False
-        return any(q.READS_BATCH and q.should_compute(global_step) for q in self.quantities)
+        # A step combines the processes' batches where some quantity reads them.
+        reduces = any(q.READS_BATCH and q.should_compute(global_step) for q in self.quantities)
+        group = self.process_group if reduces else None
+        return _TrackedBackward(self, StepContext(global_step, self.params, info, group), exts, debug)
 
     def _track(self, ctx, buffers, curvature_names):
         """Let every quantity track ``ctx``; free ``buffers`` before those that need a clean graph."""
-        if self._reduces(ctx.global_step):
+        if ctx.group is not None:
             reduce_step(ctx, curvature_names)
         late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
         for q in self.quantities:
@@ -209,7 +206,7 @@ class _TrackedBackward:
         )
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
         self._capture = None
-        if cockpit._reduces(step):
+        if ctx.group is not None:
             self._capture = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(step))
         kept = {e.savefield for e in user_exts}
         # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.

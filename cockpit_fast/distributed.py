@@ -86,8 +86,9 @@ def reduce_step(ctx, curvature_names=()):
             computed (``diag_h``, ...), combined as means over the global batch.
 
     Raises:
-        ValueError: If this rank's batch size is unknown, a statistic cannot be combined, or the
-            ranks' steps do not match (checked before any buffer is exchanged).
+        ValueError: If this rank's batch size is unknown, two statistics cannot be told apart
+            across processes, or the ranks' steps do not match (checked before any buffer is
+            exchanged).
     """
     group, params = ctx.group, ctx.params
     local_n = _local_batch_size(ctx)
