@@ -155,34 +155,38 @@ def conv2d_has_factors(module):
     return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
-def conv2d_positions(g_out):
-    """Output positions of a ``Conv2d`` layer: what its unfolded factors have per sample."""
-    return math.prod(g_out[0].shape[2:])
+class _WeightFactorsWherePaying:
+    """A BatchGrad module extension whose weight gets :class:`WeightFactors` where
+    :func:`factors_pay` (everywhere the layer has them if ``force``), else BatchGrad's own
+    ``grad_batch``. Subclasses say the factors' sizes (None: the layer has none) and form them."""
 
-
-class _LinearWeightFactors(BatchGradLinear):
     def __init__(self, force):
         super().__init__()
         self._force = force
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        positions = math.prod(module.input0.shape[1:-1])
-        if self._force or factors_pay(positions, module.out_features, module.in_features):
-            return linear_factors(module, g_out)
+        sizes = self.factor_sizes(module, g_out)
+        if sizes is not None and (self._force or factors_pay(*sizes)):
+            return self.factors(module, g_out)
         return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
 
 
-class _Conv2dWeightFactors(BatchGradConv2d):
-    def __init__(self, force):
-        super().__init__()
-        self._force = force
+class _LinearWeightFactors(_WeightFactorsWherePaying, BatchGradLinear):
+    @staticmethod
+    def factor_sizes(module, g_out):
+        return math.prod(module.input0.shape[1:-1]), module.out_features, module.in_features
 
-    def weight(self, ext, module, g_inp, g_out, backproped):
-        in_features = module.weight[0].numel()
-        pays = factors_pay(conv2d_positions(g_out), module.out_channels, in_features)
-        if conv2d_has_factors(module) and (self._force or pays):
-            return conv2d_factors(module, g_out)
-        return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)  # BatchGrad's
+    factors = staticmethod(linear_factors)
+
+
+class _Conv2dWeightFactors(_WeightFactorsWherePaying, BatchGradConv2d):
+    @staticmethod
+    def factor_sizes(module, g_out):
+        if not conv2d_has_factors(module):
+            return None
+        return math.prod(g_out[0].shape[2:]), module.out_channels, module.weight[0].numel()
+
+    factors = staticmethod(conv2d_factors)
 
 
 class GradBatchFactors(BatchGrad):
