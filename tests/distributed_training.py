@@ -6,6 +6,7 @@ each global batch. Each run saves ``{"output": cockpit.get_output(), "written": 
 
 import datetime
 import os
+import traceback
 import warnings
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def _plain(output):
 
 def _rank_main(rank, rank_sizes, config, workdir):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group(
         "gloo",
         init_method=f"file://{workdir}/store",
@@ -170,6 +172,10 @@ def _rank_main(rank, rank_sizes, config, workdir):
                 result = train(config, rank, rank_sizes, out=workdir / f"logs{rank}")
         torch.save(result, workdir / f"rank{rank}.pt")
         dist.barrier()  # gloo aborts if a group is torn down while a peer still uses it
+    except BaseException:
+        # Peers of a failing rank fail too, and spawn reports whichever it sees first: keep each.
+        (workdir / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -177,12 +183,11 @@ def _rank_main(rank, rank_sizes, config, workdir):
 def run_group(rank_sizes, config, workdir):
     """Train in ``len(rank_sizes)`` spawned processes; every rank's result, in rank order.
 
-    A rank that raises ends every other rank (torch.multiprocessing terminates them) and the
-    error is raised here.
+    A rank that raises ends every other rank (torch.multiprocessing terminates them) and an
+    error is raised here; each failed rank's traceback is in ``workdir/error<rank>.txt``.
     """
     workdir = Path(workdir)
     for rank in range(len(rank_sizes)):
         (workdir / f"logs{rank}").mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)  # the ranks share the machine's cores
     mp.spawn(_rank_main, args=(rank_sizes, config, workdir), nprocs=len(rank_sizes), join=True)
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(len(rank_sizes))]

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessException
 
 from cockpit_fast.distributed import resolve_group
 from distributed_training import collect_rows, run_group, train
 from test_cockpit_core import assert_same_output, build_model
+from test_cockpit_gradients import EDGE_COUNTS
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
-EDGE_COUNTS = 3  # a value on a bin edge may round into its neighbour (see test_cockpit_gradients)
 STEPS = 3
 
 
@@ -102,9 +103,10 @@ def test_steps_that_read_no_batch_exchange_nothing(tmp_path):
 def test_a_rank_that_raises_fails_the_group_fast(tmp_path):
     config = {"model": "mlp", "quantities": "every", "steps": 3, "fail_on_rank": 1}
     started = time.monotonic()
-    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+    with pytest.raises(ProcessException):  # rank 1's error, or rank 0's on losing its peer
         run_group([2, 2], config, tmp_path)
     assert time.monotonic() - started < 50  # not the 60 s collective timeout
+    assert "rank 1 fails on purpose" in (tmp_path / "error1.txt").read_text()
 
 
 def test_ranks_tracking_different_quantities_are_told(tmp_path):
