@@ -50,7 +50,7 @@ class Alpha(Quantity):
         if start is not None and start.observation is not None:
             wanted.add(Projection(self, "end", start.direction))
             if not start.sgd:  # the start's kept individual gradients, on the update now known
-                wanted.add(_KeptProjection(self, "kept", start.direction, start=start))
+                wanted.add(self._kept_projection(start))
         if self.is_start(step):
             start = _StartPoint(self._sgd_learning_rates(ctx))
             self._starts.put(step, start)
@@ -60,6 +60,10 @@ class Alpha(Quantity):
     def _start_projection(self, start):
         """Projections on plain SGD's update, -lr times the mini-batch gradient."""
         return Projection(self, "start", start.sgd_direction, uses_mean_grad=True)
+
+    def _kept_projection(self, start):
+        """Projections of the start's kept individual gradients on the update, known at the end."""
+        return _KeptProjection(self, "kept", start.direction, start=start)
 
     def _sgd_learning_rates(self, ctx):
         """Per-parameter learning rates if the update is plain SGD's, else None."""
@@ -83,7 +87,7 @@ class Alpha(Quantity):
         directions = [start.directions[i] for i in range(len(ctx.params))]
         update_size = torch.sqrt(sum((d**2).sum() for d in directions))
         if not start.sgd:  # the update is known only now
-            start.observation.dots = ctx.summed(_KeptProjection(self, "kept", start.direction))
+            start.observation.dots = ctx.summed(self._kept_projection(start))
         end = _Observation(ctx, self, ctx.summed(Projection(self, "end", start.direction)))
         observations = [start.observation, end]
         dfs, var_dfs = zip(*(o.projected_gradient(update_size) for o in observations))
