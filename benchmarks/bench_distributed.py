@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_step import build, make_quantities  # noqa: E402
+from bench_step import build, make_quantities, training_step  # noqa: E402
 
 CASES = ["plain", "GradNorm", "MeanGSNR", "NormTest", "GradHist1d", "GradHist2d", "economy"]
 WORLD = 2
@@ -52,8 +52,6 @@ class CollectiveCounter:
 
 def run_case(case, model, steps, counter):
     """ms per step and the cockpit's (collectives, bytes) per tracked step for ``case``."""
-    from backpack import extend
-
     from cockpit_fast import quantities
     from cockpit_fast.cockpit import Cockpit
     from cockpit_fast.utils import configuration, schedules
@@ -62,28 +60,13 @@ def run_case(case, model, steps, counter):
     params = list(inner.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(inner)
     local_n = global_n // WORLD
-    loss_fn = extend(torch.nn.CrossEntropyLoss())
-    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
-    opt = torch.optim.SGD(params, lr=0.01)
     cockpit = None
     if case != "plain":
         cockpit = Cockpit(params, make_quantities(case, quantities, configuration, schedules))
     data = torch.Generator().manual_seed(dist.get_rank())
     inputs = torch.randn(local_n, *input_shape, generator=data)
     labels = torch.randint(0, 10, (local_n,), generator=data)
-
-    def step(i):
-        opt.zero_grad()
-        outputs = ddp(inputs)
-        loss = loss_fn(outputs, labels)
-        if cockpit is None:
-            loss.backward()
-        else:
-            info = {"batch_size": local_n, "individual_losses": individual_loss_fn(outputs, labels)}
-            info.update(loss=loss, optimizer=opt)
-            with cockpit(i, info=info):
-                loss.backward()
-        opt.step()
+    step = training_step(ddp, params, cockpit, lambda i: (inputs, labels))
 
     step(0)
     calls, sent = counter.calls, counter.bytes

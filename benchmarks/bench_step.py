@@ -76,22 +76,15 @@ def make_quantities(case, quantities, configuration, schedules):
     return [getattr(quantities, case)(every)]
 
 
-def time_run(model_name, cockpit_factory, steps, seed=0):
-    """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
-    torch.manual_seed(seed)
-    model, input_shape, n = build(model_name)
-    model = extend(model)
+def training_step(model, params, cockpit, batch):
+    """``step(i)``: one SGD step of ``model`` on ``batch(i) = (inputs, labels)``, tracked by
+    ``cockpit`` (None: a plain step)."""
     loss_fn = extend(torch.nn.CrossEntropyLoss())
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cockpit = cockpit_factory(model.parameters()) if cockpit_factory else None
-    data = torch.Generator().manual_seed(seed)
-    batches = [
-        (torch.randn(n, *input_shape, generator=data), torch.randint(0, 10, (n,), generator=data)) for _ in range(4)
-    ]
+    opt = torch.optim.SGD(params, lr=0.01)
 
     def step(i):
-        inputs, labels = batches[i % len(batches)]
+        inputs, labels = batch(i)
         opt.zero_grad()
         outputs = model(inputs)
         loss = loss_fn(outputs, labels)
@@ -99,7 +92,7 @@ def time_run(model_name, cockpit_factory, steps, seed=0):
             loss.backward()
         else:
             info = {
-                "batch_size": n,
+                "batch_size": len(inputs),
                 "individual_losses": individual_loss_fn(outputs, labels),
                 "loss": loss,
                 "optimizer": opt,
@@ -107,6 +100,21 @@ def time_run(model_name, cockpit_factory, steps, seed=0):
             with cockpit(i, info=info):
                 loss.backward(create_graph=cockpit.create_graph(i))
         opt.step()
+
+    return step
+
+
+def time_run(model_name, cockpit_factory, steps, seed=0):
+    """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
+    torch.manual_seed(seed)
+    model, input_shape, n = build(model_name)
+    model = extend(model)
+    cockpit = cockpit_factory(model.parameters()) if cockpit_factory else None
+    data = torch.Generator().manual_seed(seed)
+    batches = [
+        (torch.randn(n, *input_shape, generator=data), torch.randint(0, 10, (n,), generator=data)) for _ in range(4)
+    ]
+    step = training_step(model, model.parameters(), cockpit, lambda i: batches[i % len(batches)])
 
     step(0)  # warm-up: allocations, first-call costs, Distance's reference copy
     start = time.perf_counter()
