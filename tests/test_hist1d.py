@@ -26,10 +26,12 @@ from conftest import (
 @pytest.mark.parametrize("param_shape", PARAM_SHAPES)
 @pytest.mark.parametrize("n", BATCH_SIZES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_matches_reference(device, dtype, param_shape, n, layout):
+# A span of 4.5 bins by division; a power-of-two span (4) by multiplying with its inverse.
+@pytest.mark.parametrize("lo, hi", [(-2.0, 2.5), (-2.0, 2.0)], ids=["divided", "power_of_two"])
+def test_matches_reference(device, dtype, param_shape, n, layout, lo, hi):
     # Spread so that many values fall outside the range and are clamped into the outer bins.
     g = random_grad(n, param_shape, dtype, device, layout, seed=n, spread=1.5 / n)
-    bins, lo, hi, scale = 31, -2.0, 2.5, float(n)
+    bins, scale = 31, float(n)
     counts = ops.hist1d(g, bins, (lo, hi), scale)
     assert counts.dtype == torch.float32 and counts.shape == (bins,)
     # Same arithmetic as the reference in the same precision: identical counts.
@@ -50,8 +52,9 @@ def test_same_counts_as_cockpit_grad_hist_1d(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_values_on_bin_edges(device, dtype):
-    bins, lo, hi = 40, -2.0, 2.0
+@pytest.mark.parametrize("lo, hi", [(-2.0, 2.5), (-2.0, 2.0)], ids=["divided", "power_of_two"])
+def test_values_on_bin_edges(device, dtype, lo, hi):
+    bins = 40
     edges = torch.linspace(lo, hi, bins + 1, dtype=dtype)
     middles = (edges[1:] + edges[:-1]) / 2
     g = torch.cat([edges, middles, edges[5:9]]).reshape(5, 17).to(device)

@@ -9,6 +9,7 @@
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
 #include "private_histograms.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
@@ -29,8 +30,10 @@ void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, d
     int32_t slots[kBatch];
     for (int64_t base = begin; base < end; base += kBatch) {
       const int64_t len = std::min(kBatch, end - base);
-      for (int64_t i = 0; i < len; ++i) {
-        slots[i] = hist1d_slot(s * static_cast<acc_t>(data[base + i]), b);
+      if (b.inverse_span != acc_t(0)) {
+        hist1d_slots<true>(data + base, len, s, b, slots);
+      } else {
+        hist1d_slots<false>(data + base, len, s, b, slots);
       }
       histograms.count(mine, slots, len);
     }

@@ -11,6 +11,7 @@
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
 #include "private_histograms.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
@@ -50,11 +51,7 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
       const int32_t* y_bins = column_bin.data() + j0;
       const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
       for (int64_t n = group * kGroupRows; n < n_end; ++n) {
-        const scalar_t* x = data + n * n_cols + j0;
-        for (int64_t j = 0; j < len; ++j) {
-          const int32_t x_bin = hist2d_axis_bin(s * static_cast<acc_t>(x[j]), x_axis);
-          slots[j] = hist2d_slot(x_bin, y_bins[j], y_axis.bins, discard);
-        }
+        hist2d_slots(data + n * n_cols + j0, y_bins, len, s, x_axis, y_axis.bins, discard, slots);
         histograms.count(mine, slots, len);
       }
     }

@@ -12,6 +12,7 @@
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
 #include "private_histograms.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
@@ -61,10 +62,8 @@ void outer_hist2d_kernel(const at::Tensor& left, const at::Tensor& right, const 
           const int32_t* y_bins = param_bin.data() + i * q;
           for (int64_t j0 = 0; j0 < q; j0 += kTileColumns) {
             const int64_t len = std::min(kTileColumns, q - j0);
-            for (int64_t j = 0; j < len; ++j) {
-              const acc_t x = s * static_cast<acc_t>(outer_element(factor, v_row[j0 + j]));
-              slots[j] = hist2d_slot(hist2d_axis_bin(x, x_axis), y_bins[j0 + j], y_axis.bins, discard);
-            }
+            outer_hist2d_slots(factor, v_row + j0, y_bins + j0, len, s, x_axis, y_axis.bins,
+                               discard, slots);
             histograms.count(mine, slots, len);
           }
         }

@@ -43,23 +43,33 @@ C10_HOST_DEVICE inline T nan_min(T a, T b) {
 template <typename acc_t>
 struct Hist1dBins {
   acc_t lo, hi, span;  // span = hi - lo, rounded as histc rounds it
-  int32_t bins;        // slot `bins` collects what is not counted (NaN)
+  // 1 / span when span is a power of two, else 0. Dividing by a power of two and multiplying
+  // by its inverse round the same exact value, so the bins are the same; a product is several
+  // times cheaper than a division in a CPU's vector unit.
+  acc_t inverse_span;
+  int32_t bins;  // slot `bins` collects what is not counted (NaN)
 };
 
 template <typename acc_t>
 inline Hist1dBins<acc_t> make_hist1d_bins(int64_t bins, double lo, double hi) {
   const acc_t lo_acc = static_cast<acc_t>(lo), hi_acc = static_cast<acc_t>(hi);
-  return {lo_acc, hi_acc, hi_acc - lo_acc, static_cast<int32_t>(bins)};
+  const acc_t span = hi_acc - lo_acc;
+  int exponent = 0;
+  const bool power_of_two = std::isfinite(span) && std::frexp(span, &exponent) == acc_t(0.5);
+  const acc_t inverse = power_of_two ? std::ldexp(acc_t(1), 1 - exponent) : acc_t(0);
+  return {lo_acc, hi_acc, span, std::isnormal(inverse) ? inverse : acc_t(0),
+          static_cast<int32_t>(bins)};
 }
 
-template <typename acc_t>
+// The bin of x; kMultiply (only when b.inverse_span is set) multiplies by the inverse span.
+template <bool kMultiply = false, typename acc_t>
 C10_HOST_DEVICE inline int32_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) {
   const bool nan = is_nan(x);
   acc_t clamped = x < b.lo ? b.lo : x;
   clamped = clamped > b.hi ? b.hi : clamped;
   clamped = nan ? b.lo : clamped;
-  const int32_t pos =
-      static_cast<int32_t>((clamped - b.lo) * static_cast<acc_t>(b.bins) / b.span);
+  const acc_t scaled = (clamped - b.lo) * static_cast<acc_t>(b.bins);
+  const int32_t pos = static_cast<int32_t>(kMultiply ? scaled * b.inverse_span : scaled / b.span);
   const int32_t bin = pos >= b.bins ? b.bins - 1 : pos;
   return nan ? b.bins : bin;
 }
@@ -107,7 +117,8 @@ C10_HOST_DEVICE inline int32_t hist2d_axis_bin(acc_t x, const Hist2dAxis<acc_t>&
 // after the last cell) when either coordinate was NaN.
 C10_HOST_DEVICE inline int32_t hist2d_slot(int32_t x_bin, int32_t y_bin, int32_t ybins,
                                            int32_t discard) {
-  return (x_bin < 0 || y_bin < 0) ? discard : x_bin * ybins + y_bin;
+  // Either bin is -1 exactly when their bitwise or is negative: one test, no branch.
+  return (x_bin | y_bin) < 0 ? discard : x_bin * ybins + y_bin;
 }
 
 // ---------------------------------------------------------------------------------------------
