@@ -10,18 +10,19 @@
 
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
 
 constexpr int64_t kTileColumns = 2048;
-constexpr int kLanes = 8;  // independent accumulators, so the dot product vectorises
 
 template <typename scalar_t, typename acc_t>
-inline acc_t dot_tile(const scalar_t* x, const scalar_t* d, int64_t len) {
+COCKPIT_FAST_SIMD_CLONES acc_t dot_tile(const scalar_t* x, const scalar_t* d, int64_t len) {
   acc_t lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes) {
+    COCKPIT_FAST_LANES_SIMD
     for (int k = 0; k < kLanes; ++k) {
       lanes[k] += static_cast<acc_t>(x[j + k]) * static_cast<acc_t>(d[j + k]);
     }

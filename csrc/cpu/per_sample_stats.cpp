@@ -11,6 +11,7 @@
 
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
@@ -31,9 +32,7 @@ void per_sample_stats_kernel(const at::Tensor& rows, double scale,
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block / n_chunks, j0 = (block % n_chunks) * kStatsChunk;
       const int64_t len = std::min(kStatsChunk, n_cols - j0);
-      const scalar_t* x = data + n * n_cols + j0;
-      for (int64_t j = 0; j < len; ++j) values[j] = s * static_cast<acc_t>(x[j]);
-      partials[block] = summarize_values(values.data(), len, p);
+      partials[block] = summarize_run(data + n * n_cols + j0, len, s, p, values.data());
     }
   });
 

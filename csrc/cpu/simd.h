@@ -1,7 +1,7 @@
 // Wider vector instructions for the CPU kernels' hot loops, chosen when the library loads.
 //
 // The build targets baseline x86-64 (SSE2) so that the library runs on every x86-64 CPU. The
-// few loops that turn values into histogram slots are compiled again for AVX2 and AVX-512
+// few hot loops (values to histogram slots, per-sample summaries) are compiled again for AVX2 and AVX-512
 // (GCC/Clang function multi-versioning), and the loader picks the widest the CPU has. The
 // arithmetic is the same IEEE operations in every version (no FMA contraction, no reciprocal
 // approximations), so every version gives the same slots.
@@ -12,10 +12,11 @@
 #include "cockpit_fast/arithmetic.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+// flatten: the per-element functions must be inlined into each version to use its instructions.
 #define COCKPIT_FAST_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+  __attribute__((flatten, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
-#define COCKPIT_FAST_SIMD_CLONES
+#define COCKPIT_FAST_SIMD_CLONES __attribute__((flatten))
 #endif
 
 namespace cockpit_fast {
@@ -52,6 +53,14 @@ COCKPIT_FAST_SIMD_CLONES void outer_hist2d_slots(scalar_t u, const scalar_t* v,
     const acc_t x = scale * static_cast<acc_t>(outer_element(u, v[j]));
     slots[j] = hist2d_slot(hist2d_axis_bin(x, x_axis), y_bins[j], ybins, discard);
   }
+}
+
+// per_sample_stats: the summary of scale * x[0..len), with `values` as room for the scaled run.
+template <typename scalar_t, typename acc_t>
+COCKPIT_FAST_SIMD_CLONES Summary<acc_t> summarize_run(const scalar_t* x, int64_t len, acc_t scale,
+                                                      PValues<acc_t> p, acc_t* values) {
+  for (int64_t j = 0; j < len; ++j) values[j] = scale * static_cast<acc_t>(x[j]);
+  return summarize_values(values, len, p);
 }
 
 }  // namespace cockpit_fast

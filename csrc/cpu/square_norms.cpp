@@ -14,20 +14,21 @@
 
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
 
 constexpr int64_t kTileColumns = 1024;
 constexpr int64_t kGroupRows = 64;
-constexpr int kLanes = 8;  // independent accumulators, so the row sum vectorises
 
 // Squares of scale * x[0..len): returns their sum; adds each square to column_sums if kColumns.
 template <bool kColumns, typename scalar_t, typename acc_t>
-inline acc_t square_tile(const scalar_t* x, int64_t len, acc_t scale, acc_t* column_sums) {
+COCKPIT_FAST_SIMD_CLONES acc_t square_tile(const scalar_t* x, int64_t len, acc_t scale, acc_t* column_sums) {
   acc_t lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes) {
+    COCKPIT_FAST_LANES_SIMD
     for (int k = 0; k < kLanes; ++k) {
       const acc_t v = scale * static_cast<acc_t>(x[j + k]);
       const acc_t square = v * v;
