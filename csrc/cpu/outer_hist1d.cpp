@@ -98,71 +98,105 @@ class RowCounter {
   // nonzero, x = scale * (u * v) is monotone in v, so bin k's run ends where x first reaches
   // thresholds_[k + 1]. That position is guessed by a binary search for v = threshold / slope
   // with plain comparisons, then settled on the products themselves (the very values the
-  // materialised op bins: the counts are exact).
+  // materialised op bins: the counts are exact, whatever the guess).
   void count_sorted(scalar_t u, const scalar_t* sorted, int64_t len, int64_t* counts) const {
     const acc_t slope = scale_ * static_cast<acc_t>(u);
     if (!std::isfinite(slope) || slope == 0) return count_each(u, sorted, len, counts);
-    const bool rising = slope > 0;
-    const auto at = [&](int64_t i) { return sorted[rising ? i : len - 1 - i]; };  // x ascends in i
+    if (slope > 0) return count_runs<true>(u, slope, sorted, len, counts);
+    count_runs<false>(u, slope, sorted, len, counts);
+  }
+
+ private:
+  // count_sorted for a slope of one sign: x = scale * (u * v) ascends in v if kRising, else
+  // descends; position i below walks the values in ascending x.
+  template <bool kRising>
+  void count_runs(scalar_t u, acc_t slope, const scalar_t* sorted, int64_t len, int64_t* counts) const {
+    const auto at = [&](int64_t i) { return sorted[kRising ? i : len - 1 - i]; };
     int32_t bin = slot(u, at(0));
     const int32_t last = slot(u, at(len - 1));
     int64_t start = 0;  // first position of `bin`'s run
-    for (int32_t k = bin + 1; k <= last; ++k) {
-      const acc_t threshold = thresholds_[k];
-      const auto reaches = [&](int64_t i) { return value(u, at(i)) >= threshold; };
-      const acc_t v_guess = threshold / slope;
-      int64_t lo = start, hi = len - 1;
-      while (lo < hi) {
-        const int64_t middle = lo + (hi - lo) / 2;
-        const acc_t v = static_cast<acc_t>(at(middle));
-        (rising ? v < v_guess : v > v_guess) ? lo = middle + 1 : hi = middle;
+    for (int32_t first = bin + 1; first <= last; first += kSearches) {
+      const int count = static_cast<int>(std::min<int32_t>(kSearches, last - first + 1));
+      // Guesses of where runs first .. first + count - 1 end: for each, the first position whose
+      // v is not before threshold / slope (at most len - 1). The searches are branch-free (their
+      // turns are unpredictable) and interleaved (independent, so their loads overlap).
+      acc_t target[kSearches];
+      int64_t guess[kSearches];
+      for (int i = 0; i < count; ++i) {
+        target[i] = thresholds_[first + i] / slope;
+        guess[i] = 0;
       }
-      // The run ends at the first position from `start` that reaches the threshold; the last
-      // position does (its bin is `last` >= k). Gallop from the guess to bracket it between
-      // `no` (does not reach, or start - 1) and `yes` (reaches), then bisect.
-      int64_t yes = lo, no = lo, step = 1;
-      if (reaches(yes)) {
-        for (no = yes - 1; no >= start && reaches(no); no = yes - step) {
-          yes = no;
-          step *= 2;
-        }
-        no = std::max(no, start - 1);
-      } else {
-        for (yes = std::min(no + 1, len - 1); !reaches(yes); yes = std::min(no + step, len - 1)) {
-          no = yes;
-          step *= 2;
+      for (int64_t n = len; n > 1; n -= n / 2) {
+        const int64_t half = n / 2;
+        for (int i = 0; i < count; ++i) {
+          const acc_t v = static_cast<acc_t>(at(guess[i] + half - 1));
+          guess[i] += static_cast<int64_t>(kRising ? v < target[i] : v > target[i]) * half;
         }
       }
-      while (yes - no > 1) {
-        const int64_t middle = no + (yes - no) / 2;
-        (reaches(middle) ? yes : no) = middle;
+      for (int i = 0; i < count; ++i) {
+        const int32_t k = first + i;
+        const int64_t end = run_end(u, thresholds_[k], std::max(guess[i], start), start, len, at);
+        counts[bin] += end - start;
+        start = end;
+        bin = k;
       }
-      counts[bin] += yes - start;
-      start = yes;
-      bin = k;
     }
     counts[bin] += len - start;
   }
 
- private:
+  // The first position from `start` whose x reaches `threshold`, settled on the products
+  // themselves from a guess: the last position reaches it. Gallops from the guess to bracket it
+  // between `no` (does not reach, or start - 1) and `yes` (reaches), then bisects.
+  template <typename At>
+  int64_t run_end(scalar_t u, acc_t threshold, int64_t guess, int64_t start, int64_t len,
+                  const At& at) const {
+    const auto reaches = [&](int64_t i) { return value(u, at(i)) >= threshold; };
+    int64_t yes = guess, no = guess, step = 1;
+    if (reaches(yes)) {
+      for (no = yes - 1; no >= start && reaches(no); no = yes - step) {
+        yes = no;
+        step *= 2;
+      }
+      no = std::max(no, start - 1);
+    } else {
+      for (yes = std::min(no + 1, len - 1); !reaches(yes); yes = std::min(no + step, len - 1)) {
+        no = yes;
+        step *= 2;
+      }
+    }
+    while (yes - no > 1) {
+      const int64_t middle = no + (yes - no) / 2;
+      (reaches(middle) ? yes : no) = middle;
+    }
+    return yes;
+  }
+
+  static constexpr int kSearches = 8;  // binary searches run interleaved
   Hist1dBins<acc_t> bins_;
   acc_t scale_;
   std::vector<acc_t> thresholds_;
 };
 
 // Sorts n NaN-free values ascending by LSD radix sort on their order keys, one byte a pass:
-// O(n) per pass where std::sort costs O(n log n) comparisons. `scratch` holds n values. Passes
-// whose byte is the same for every value are skipped.
+// O(n) per pass where std::sort costs O(n log n) comparisons. The digit counts of every pass
+// come from one read of the values. `scratch` holds n values. Passes whose byte is the same
+// for every value are skipped.
 template <typename scalar_t>
 void radix_sort(scalar_t* values, scalar_t* scratch, int64_t n) {
+  constexpr int kPasses = sizeof(scalar_t);
+  int64_t starts[kPasses][257] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const auto key = order_key(values[i]);
+    for (int pass = 0; pass < kPasses; ++pass) ++starts[pass][((key >> (8 * pass)) & 0xFF) + 1];
+  }
   scalar_t* from = values;
   scalar_t* to = scratch;
-  for (unsigned shift = 0; shift < 8 * sizeof(scalar_t); shift += 8) {
-    int64_t starts[257] = {0};
-    for (int64_t i = 0; i < n; ++i) ++starts[((order_key(from[i]) >> shift) & 0xFF) + 1];
-    if (std::any_of(starts + 1, starts + 257, [n](int64_t c) { return c == n; })) continue;
-    for (int digit = 0; digit < 256; ++digit) starts[digit + 1] += starts[digit];
-    for (int64_t i = 0; i < n; ++i) to[starts[(order_key(from[i]) >> shift) & 0xFF]++] = from[i];
+  for (int pass = 0; pass < kPasses; ++pass) {
+    int64_t* start = starts[pass];
+    if (std::any_of(start + 1, start + 257, [n](int64_t c) { return c == n; })) continue;
+    for (int digit = 0; digit < 256; ++digit) start[digit + 1] += start[digit];
+    const unsigned shift = 8 * pass;
+    for (int64_t i = 0; i < n; ++i) to[start[(order_key(from[i]) >> shift) & 0xFF]++] = from[i];
     std::swap(from, to);
   }
   if (from != values) std::copy(from, from + n, values);
