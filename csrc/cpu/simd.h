@@ -1,10 +1,10 @@
 // Wider vector instructions for the CPU kernels' hot loops, chosen when the library loads.
 //
 // The build targets baseline x86-64 (SSE2) so that the library runs on every x86-64 CPU. The
-// few hot loops (values to histogram slots, per-sample summaries) are compiled again for AVX2 and AVX-512
-// (GCC/Clang function multi-versioning), and the loader picks the widest the CPU has. The
-// arithmetic is the same IEEE operations in every version (no FMA contraction, no reciprocal
-// approximations), so every version gives the same slots.
+// few hot loops (values to histogram slots, per-sample summaries, dot and square tiles) are
+// compiled again for AVX2 and AVX-512 (GCC function multi-versioning), and the loader picks
+// the widest the CPU has. Every version runs the same IEEE operations in the same order (no FMA
+// contraction, no reciprocal approximations, no reassociation), so all give the same results.
 #pragma once
 
 #include <cstdint>
@@ -15,8 +15,10 @@
 // flatten: the per-element functions must be inlined into each version to use its instructions.
 #define COCKPIT_FAST_SIMD_CLONES \
   __attribute__((flatten, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
+#elif defined(__GNUC__)
 #define COCKPIT_FAST_SIMD_CLONES __attribute__((flatten))
+#else
+#define COCKPIT_FAST_SIMD_CLONES
 #endif
 
 namespace cockpit_fast {
