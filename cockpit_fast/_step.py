@@ -302,6 +302,7 @@ class StepContext:
         self.local_grads = {}  # index -> this rank's gradient (distributed only)
         self.deferred = {}  # index -> (param, source) of statistics waiting for the global gradient
         self._global_grads = None
+        self._grad_l2_squared = None
         self._curvatures = {}
         self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
         self.rank_sizes = None  # every rank's batch size, once reduced
@@ -369,6 +370,7 @@ class StepContext:
     def set_global_grads(self, grads):
         """The mini-batch gradients of the global batch, from the distributed reduction."""
         self._global_grads = grads
+        self._grad_l2_squared = None
 
     def grads(self):
         """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
@@ -381,8 +383,11 @@ class StepContext:
         return flatten(self.grads())
 
     def grad_l2_squared(self):
-        """Squared norm of the mini-batch gradient over all tracked parameters (0-dim tensor)."""
-        return sum((g**2).sum() for g in self.grads())
+        """Squared norm of the mini-batch gradient over all tracked parameters (0-dim tensor),
+        computed once a step for every quantity that reads it (NormTest, InnerTest, OrthoTest)."""
+        if self._grad_l2_squared is None:
+            self._grad_l2_squared = sum((g**2).sum() for g in self.grads())
+        return self._grad_l2_squared
 
     def set_curvature(self, name, values):
         """The diagonal curvature ``name`` of the global batch, from the distributed reduction."""
