@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from cockpit_fast import ops
-from cockpit_fast._step import GRAD_BATCH, Projection
+from cockpit_fast._step import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
 from cockpit_fast.quantities.quantity import Deferred, Quantity, StepCache
 
@@ -19,8 +19,9 @@ class Alpha(Quantity):
     α = 0 means the step reached the minimum of the fit, -1 that it stayed where it started
     (or the fit is concave), 1 that it overshot to the same height. None when the fit failed.
 
-    For SGD without momentum the update is known in the backward pass, so the individual
-    gradients are projected on it right there and nothing big is kept. For other optimizers
+    For SGD without momentum the update is -lr times the mini-batch gradient, so the individual
+    gradients' projections on it are -lr times their dot products with that gradient (the
+    statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For other optimizers
     (or none handed in via ``info['optimizer']``, which warns) the parameters and individual
     gradients of step t are kept until step t + 1 reveals the update. Needs ``info`` entries
     ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
@@ -54,12 +55,8 @@ class Alpha(Quantity):
         if self.is_start(step):
             start = _StartPoint(self._sgd_learning_rates(ctx))
             self._starts.put(step, start)
-            wanted.add(self._start_projection(start) if start.sgd else GRAD_BATCH)
+            wanted.add(DOT_MEAN_GRAD if start.sgd else GRAD_BATCH)
         return wanted
-
-    def _start_projection(self, start):
-        """Projections on plain SGD's update, -lr times the mini-batch gradient."""
-        return Projection(self, "start", start.sgd_direction, uses_mean_grad=True)
 
     def _kept_projection(self, start):
         """Projections of the start's kept individual gradients on the update, known at the end."""
@@ -152,11 +149,6 @@ class _StartPoint:
         self.params = None
         self.grad_batch = None
 
-    def sgd_direction(self, hot):
-        """Plain SGD's update of one parameter, from its gradient in the start's hook."""
-        self.directions[hot.index] = -self._learning_rates[id(hot.param)] * hot.grad
-        return self.directions[hot.index]
-
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
         if not self.sgd:
@@ -164,8 +156,13 @@ class _StartPoint:
         return self.directions[hot.index]
 
     def observe(self, ctx, quantity):
-        """Take the start's loss information and, without SGD, what to project at the end."""
-        dots = ctx.summed(quantity._start_projection(self)) if self.sgd else None
+        """Take the start's loss information and update (plain SGD's, -lr times the gradient)
+        or, without SGD, what to project at the end."""
+        dots = None
+        if self.sgd:
+            rates = [self._learning_rates[id(p)] for p in ctx.params]
+            self.directions = {i: -lr * g for i, (lr, g) in enumerate(zip(rates, ctx.grads()))}
+            dots = sum(-lr * d for lr, d in zip(rates, ctx.per_param(DOT_MEAN_GRAD)))
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
