@@ -5,6 +5,7 @@ so every path raises ``ValueError`` with a message that names the op and the pro
 """
 
 import math
+import struct
 
 import torch
 
@@ -89,12 +90,32 @@ def check_cells(op, cells):
         raise ValueError(f"cockpit_fast.{op}: at most {MAX_BINS} histogram cells, got {cells}")
 
 
-def check_range(op, lo, hi, axis=""):
+def _to_float32(x):
+    """``x`` rounded to float32, ±inf beyond its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def check_range(op, lo, hi, bins, dtype, axis=""):
+    """Finite, ordered bounds whose bins can be computed in ``dtype``'s accumulation type: a range
+    fine in double can overflow (span * bins) or round to nothing (the bin width) in float32."""
     lo, hi = float(lo), float(hi)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError(f"cockpit_fast.{op}: {axis}range bounds must be finite, got ({lo}, {hi})")
     if not lo < hi:
         raise ValueError(f"cockpit_fast.{op}: {axis}range needs lo < hi, got ({lo}, {hi})")
+    wide = accumulation_dtype(dtype) == torch.float64
+    rounded = float if wide else _to_float32
+    low, high = rounded(lo), rounded(hi)
+    span_times_bins, width = rounded(rounded(high - low) * bins), rounded((hi - lo) / bins)
+    if not (low < high and math.isfinite(span_times_bins) and width > 0):
+        precision = "float64" if wide else "float32"
+        raise ValueError(
+            f"cockpit_fast.{op}: {axis}range ({lo}, {hi}) with {bins} bins overflows or rounds to "
+            f"nothing in {precision}, the precision the bins are computed in"
+        )
 
 
 def check_scale(op, scale):
@@ -126,34 +147,34 @@ def grad_args(op, g, scale):
 
 def hist1d_args(g, bins, range, scale):
     scale = grad_args("hist1d", g, scale)
-    return (*binning_1d("hist1d", bins, range), scale)
+    return (*binning_1d("hist1d", bins, range, g.dtype), scale)
 
 
-def binning_1d(op, bins, range):
-    """``bins, lo, hi`` of a 1D histogram, checked."""
+def binning_1d(op, bins, range, dtype):
+    """``bins, lo, hi`` of a 1D histogram of ``dtype`` values, checked."""
     check_bins(op, bins)
     check_cells(op, bins)
     lo, hi = range
-    check_range(op, lo, hi)
+    check_range(op, lo, hi, bins, dtype)
     return bins, float(lo), float(hi)
 
 
-def binning_2d(op, bins, range):
-    """``(xbins, ybins), (xlo, xhi), (ylo, yhi)`` of a 2D histogram, checked."""
+def binning_2d(op, bins, range, dtype):
+    """``(xbins, ybins), (xlo, xhi), (ylo, yhi)`` of a 2D histogram of ``dtype`` values, checked."""
     xbins, ybins = bins
     (xlo, xhi), (ylo, yhi) = range
     check_bins(op, xbins, "x ")
     check_bins(op, ybins, "y ")
     check_cells(op, xbins * ybins)
-    check_range(op, xlo, xhi, "x ")
-    check_range(op, ylo, yhi, "y ")
+    check_range(op, xlo, xhi, xbins, dtype, "x ")
+    check_range(op, ylo, yhi, ybins, dtype, "y ")
     return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi))
 
 
 def hist2d_args(g, param, bins, range, scale):
     scale = grad_args("hist2d", g, scale)
     check_companion("hist2d", g, param, "param")
-    return (*binning_2d("hist2d", bins, range), scale)
+    return (*binning_2d("hist2d", bins, range, g.dtype), scale)
 
 
 def batch_dot_args(g, direction, scale):
@@ -171,7 +192,7 @@ def per_sample_stats_args(g, scale, p_values):
 
 def outer_hist1d_args(left, right, bins, range, scale):
     scale = check_factors("outer_hist1d", left, right, scale)
-    return (*binning_1d("outer_hist1d", bins, range), scale)
+    return (*binning_1d("outer_hist1d", bins, range, left.dtype), scale)
 
 
 def outer_hist2d_args(left, right, param, bins, range, scale):
@@ -188,4 +209,4 @@ def outer_hist2d_args(left, right, param, bins, range, scale):
             f"cockpit_fast.outer_hist2d: param must have shape (left.shape[1], right.shape[1]) = "
             f"{expected}, got {tuple(param.shape)}"
         )
-    return (*binning_2d("outer_hist2d", bins, range), scale)
+    return (*binning_2d("outer_hist2d", bins, range, left.dtype), scale)

@@ -71,6 +71,17 @@ def bad_grads():
     ]
 
 
+FLOAT32_UNBINNABLE_RANGES = [
+    ((-1e38, 1e38), "span * bins overflows float32"),
+    ((-1e39, 1e39), "the bounds overflow float32"),
+    ((1.0, 1.0 + 1e-12), "the bounds round to one float32"),
+]
+"""Ranges valid in double whose bins float32 arithmetic cannot compute: rejected for every dtype
+but float64 (bin indices would be garbage, and out-of-bounds counter writes)."""
+
+BINNABLE_IN_FLOAT32_ONLY_MESSAGE = "overflows or rounds to nothing in float32"
+
+
 def same_on_one_and_two_threads(call):
     """Runs call() on 1 and on 2 threads; returns both results."""
     threads = torch.get_num_threads()

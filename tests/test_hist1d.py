@@ -8,8 +8,10 @@ import torch
 from cockpit_fast import ops, reference
 from conftest import (
     BATCH_SIZES,
+    BINNABLE_IN_FLOAT32_ONLY_MESSAGE,
     DEVICES,
     DTYPES,
+    FLOAT32_UNBINNABLE_RANGES,
     LAYOUTS,
     PARAM_SHAPES,
     assert_rejects,
@@ -104,6 +106,11 @@ def test_rejects_bad_input():
     for rng in [(float("-inf"), 1.0), (0.0, float("nan"))]:
         assert_rejects("hist1d", lambda m: m.hist1d(g, 10, rng), "must be finite")
     assert_rejects("hist1d", lambda m: m.hist1d(g, 10, (-1.0, 1.0), float("nan")), "scale must be finite")
+    for rng, _why in FLOAT32_UNBINNABLE_RANGES:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert_rejects("hist1d", lambda m: m.hist1d(g.to(dtype), 100, rng), BINNABLE_IN_FLOAT32_ONLY_MESSAGE)
+        # float64 computes the bins in double, where these ranges are fine.
+        assert torch.equal(ops.hist1d(g.double(), 100, rng), reference.hist1d(g.double(), 100, rng))
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):

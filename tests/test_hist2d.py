@@ -7,6 +7,8 @@ import torch
 
 from cockpit_fast import ops, reference
 from conftest import (
+    BINNABLE_IN_FLOAT32_ONLY_MESSAGE,
+    FLOAT32_UNBINNABLE_RANGES,
     BATCH_SIZES,
     DEVICES,
     DTYPES,
@@ -117,6 +119,13 @@ def test_rejects_bad_input():
         assert_rejects("hist2d", lambda m: m.hist2d(g, param, bins), f"{axis}bins must be a positive integer")
     assert_rejects("hist2d", lambda m: m.hist2d(g, param, (3, 3), ((1.0, 0.0), (0.0, 1.0))), "x range needs lo < hi")
     assert_rejects("hist2d", lambda m: m.hist2d(g, param, (3, 3), ((0.0, 1.0), (0.0, float("inf")))), "y range bounds must be finite")
+    for rng, _why in FLOAT32_UNBINNABLE_RANGES:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            gd, pd = g.to(dtype), param.to(dtype)
+            assert_rejects("hist2d", lambda m: m.hist2d(gd, pd, (40, 50), (rng, (-2.0, 2.0))), "x range .*" + BINNABLE_IN_FLOAT32_ONLY_MESSAGE)
+            assert_rejects("hist2d", lambda m: m.hist2d(gd, pd, (40, 50), ((-1.0, 1.0), rng)), "y range .*" + BINNABLE_IN_FLOAT32_ONLY_MESSAGE)
+        gd, pd = g.double(), param.double()
+        assert torch.equal(ops.hist2d(gd, pd, (40, 50), (rng, rng)), reference.hist2d(gd, pd, (40, 50), (rng, rng)))
 
 
 @requires_cuda

@@ -5,6 +5,8 @@ import torch
 
 from cockpit_fast import ops, reference
 from conftest import (
+    BINNABLE_IN_FLOAT32_ONLY_MESSAGE,
+    FLOAT32_UNBINNABLE_RANGES,
     BATCH_SIZES,
     DEVICES,
     DTYPES,
@@ -160,6 +162,12 @@ def test_rejects_bad_input():
     assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(ok, ok, 10, (1.0, -1.0)), "lo < hi")
     assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(ok, ok, 10, (0.0, float("inf"))), "must be finite")
     assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(ok, ok, 10, (-1, 1), float("nan")), "scale must be finite")
+    for rng, _why in FLOAT32_UNBINNABLE_RANGES:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            od = ok.to(dtype)
+            assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(od, od, 100, rng), BINNABLE_IN_FLOAT32_ONLY_MESSAGE)
+        od = ok.double()
+        assert torch.equal(ops.outer_hist1d(od, od, 100, rng), reference.outer_hist1d(od, od, 100, rng))
 
 
 @requires_cuda

@@ -5,6 +5,8 @@ import torch
 
 from cockpit_fast import ops, reference
 from conftest import (
+    BINNABLE_IN_FLOAT32_ONLY_MESSAGE,
+    FLOAT32_UNBINNABLE_RANGES,
     BATCH_SIZES,
     DEVICES,
     DTYPES,
@@ -99,6 +101,12 @@ def test_rejects_bad_input():
     assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(left, right, param, (0, 3)), "x bins must be a positive integer")
     assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(left, right, param, (3, 3), ((-1, 1), (2, 2))), "y range needs lo < hi")
     assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(left, right, param, (3, 3), RANGE, float("inf")), "scale must be finite")
+    for rng, _why in FLOAT32_UNBINNABLE_RANGES:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            ld, rd, pd = left.to(dtype), right.to(dtype), param.to(dtype)
+            assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(ld, rd, pd, (40, 50), (rng, (-2.0, 2.0))), "x range .*" + BINNABLE_IN_FLOAT32_ONLY_MESSAGE)
+        ld, rd, pd = left.double(), right.double(), param.double()
+        assert torch.equal(ops.outer_hist2d(ld, rd, pd, (40, 50), (rng, rng)), reference.outer_hist2d(ld, rd, pd, (40, 50), (rng, rng)))
 
 
 @requires_cuda

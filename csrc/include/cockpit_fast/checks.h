@@ -77,11 +77,29 @@ inline void check_cells(const char* op, int64_t cells) {
                     " histogram cells, got ", cells);
 }
 
-inline void check_range(const char* op, double lo, double hi, const char* axis) {
+// Whether `bins` bins over (lo, hi) can be computed in T: bounds that stay ordered, a finite
+// span * bins (hist1d's intermediate) and a nonzero bin width (hist2d's divisor).
+template <typename T>
+inline bool range_fits(double lo, double hi, int64_t bins) {
+  const T l = static_cast<T>(lo), h = static_cast<T>(hi);
+  return l < h && std::isfinite((h - l) * static_cast<T>(bins)) &&
+         static_cast<T>((hi - lo) / static_cast<double>(bins)) > T(0);
+}
+
+// The bin arithmetic runs in the accumulation type of `dtype` (float32 unless float64): a
+// range that is fine in double can overflow or round to an empty one there, and the bin
+// indices would then be garbage.
+inline void check_range(const char* op, double lo, double hi, int64_t bins,
+                        at::ScalarType dtype, const char* axis) {
   TORCH_CHECK_VALUE(std::isfinite(lo) && std::isfinite(hi), "cockpit_fast.", op, ": ", axis,
                     "range bounds must be finite, got (", lo, ", ", hi, ")");
   TORCH_CHECK_VALUE(lo < hi, "cockpit_fast.", op, ": ", axis, "range needs lo < hi, got (", lo,
                     ", ", hi, ")");
+  const bool wide = dtype == at::kDouble;
+  TORCH_CHECK_VALUE(wide ? range_fits<double>(lo, hi, bins) : range_fits<float>(lo, hi, bins),
+                    "cockpit_fast.", op, ": ", axis, "range (", lo, ", ", hi, ") with ", bins,
+                    " bins overflows or rounds to nothing in ", wide ? "float64" : "float32",
+                    ", the precision the bins are computed in");
 }
 
 inline void check_p_values(const char* op, const std::vector<double>& p_values) {

@@ -38,7 +38,7 @@ inline Hist1dArgs hist1d_args(const at::Tensor& g, int64_t bins, double lo, doub
   check_grad("hist1d", g, scale);
   check_bins("hist1d", bins, "");
   check_cells("hist1d", bins);
-  check_range("hist1d", lo, hi, "");
+  check_range("hist1d", lo, hi, bins, g.scalar_type(), "");
   return {as_rows(g), at::zeros({bins}, g.options().dtype(at::kLong))};
 }
 
@@ -56,8 +56,8 @@ inline Hist2dArgs hist2d_args(const at::Tensor& g, const at::Tensor& param, int6
   check_cells("hist2d", xbins);
   check_cells("hist2d", ybins);
   check_cells("hist2d", xbins * ybins);  // both at most 2^24: the product cannot overflow
-  check_range("hist2d", xlo, xhi, "x ");
-  check_range("hist2d", ylo, yhi, "y ");
+  check_range("hist2d", xlo, xhi, xbins, g.scalar_type(), "x ");
+  check_range("hist2d", ylo, yhi, ybins, g.scalar_type(), "y ");
   return {as_rows(g), param.contiguous().view({-1}),
           at::zeros({xbins, ybins}, g.options().dtype(at::kLong))};
 }
@@ -102,7 +102,7 @@ inline OuterHist1dArgs outer_hist1d_args(const at::Tensor& left, const at::Tenso
   check_factors("outer_hist1d", left, right, scale);
   check_bins("outer_hist1d", bins, "");
   check_cells("outer_hist1d", bins);
-  check_range("outer_hist1d", lo, hi, "");
+  check_range("outer_hist1d", lo, hi, bins, left.scalar_type(), "");
   return {left.contiguous(), right.contiguous(), at::zeros({bins}, left.options().dtype(at::kLong))};
 }
 
@@ -130,8 +130,8 @@ inline OuterHist2dArgs outer_hist2d_args(const at::Tensor& left, const at::Tenso
   check_cells("outer_hist2d", xbins);
   check_cells("outer_hist2d", ybins);
   check_cells("outer_hist2d", xbins * ybins);
-  check_range("outer_hist2d", xlo, xhi, "x ");
-  check_range("outer_hist2d", ylo, yhi, "y ");
+  check_range("outer_hist2d", xlo, xhi, xbins, left.scalar_type(), "x ");
+  check_range("outer_hist2d", ylo, yhi, ybins, left.scalar_type(), "y ");
   return {left.contiguous(), right.contiguous(), param.contiguous(),
           at::zeros({xbins, ybins}, left.options().dtype(at::kLong))};
 }
