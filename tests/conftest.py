@@ -1,5 +1,6 @@
 """Shared fixtures for the op tests: devices, dtypes, shapes, layouts and fresh random data."""
 
+import math
 import os
 
 import pytest
@@ -13,7 +14,10 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # row that crosses the kernels' tile and chunk boundaries (1024, 2048, 4096 values).
 PARAM_SHAPES = [(37, 61), (8, 3, 3, 3), (17,), (1,), (4099,)]
 BATCH_SIZES = [1, 5, 70]  # 70 crosses the CPU kernels' 64-row groups
-LAYOUTS = ["contiguous", "non_contiguous"]
+LAYOUTS = ["contiguous", "non_contiguous", "offset"]
+"""How test gradients sit in memory: dense; every other element (a non-unit stride); dense but
+one element into their storage (not 16-byte aligned: the CUDA kernels' vector loads must not
+assume it)."""
 
 # Relative tolerance of sums against the float64 reference: accumulation is float32 or float64;
 # the inputs themselves are exact in float64, so only the accumulation rounds.
@@ -35,6 +39,11 @@ def random_grad(n, param_shape, dtype=torch.float32, device="cpu", layout="conti
     shape = (n, *param_shape)
     if layout == "contiguous":
         return (spread * torch.randn(shape, generator=gen, dtype=torch.float64)).to(device=device, dtype=dtype)
+    if layout == "offset":
+        flat = torch.randn(math.prod(shape) + 1, generator=gen, dtype=torch.float64)
+        g = (spread * flat).to(device=device, dtype=dtype)[1:].view(shape)
+        assert g.is_contiguous() and g.storage_offset() == 1
+        return g
     # Every other element of a wider tensor: a non-unit innermost stride.
     wide = torch.randn((*shape[:-1], 2 * shape[-1]), generator=gen, dtype=torch.float64)
     g = (spread * wide).to(device=device, dtype=dtype)[..., ::2]

@@ -38,6 +38,15 @@ def test_matches_float64_reference(device, dtype, param_shape, n, layout):
     assert ((dots.double() - expected).abs() <= tolerance + 1e-12).all()
 
 
+# More samples than a CUDA grid has rows of blocks (65535): row groups must cover them all.
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_samples_than_grid_rows(device):
+    g, direction = random_grad(70001, (3,), device=device), random_param((3,), device=device)
+    expected = reference.batch_dot(g.double(), direction.double())
+    magnitude = reference.batch_dot(g.double().abs(), direction.double().abs())
+    assert ((ops.batch_dot(g, direction).double() - expected).abs() <= 1e-5 * magnitude + 1e-12).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dot_with_itself_is_the_squared_norm(device):
     g = random_grad(1, (123, 9), device=device)

@@ -83,6 +83,14 @@ def test_concentrated_and_large_histograms(device):
     spread = random_grad(16, (3000,), device=device)
     assert torch.equal(ops.hist1d(spread, 20000, (-3.0, 3.0)), reference.hist1d(spread, 20000, (-3.0, 3.0)))
 
+# The CUDA kernels keep as many int32 copies of bins + 1 slots in 48 KiB of shared memory as fit:
+# two copies up to 6143 bins, one up to 12287, none (global atomics) from 12288.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bins", [6143, 6144, 12287, 12288])
+def test_shared_memory_boundaries(device, bins):
+    g = random_grad(8, (3001,), device=device, spread=2.0)
+    assert torch.equal(ops.hist1d(g, bins, (-3.0, 3.0)), reference.hist1d(g, bins, (-3.0, 3.0)))
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(0, 7), (3, 0), (0,)])
 def test_empty_input(device, shape):

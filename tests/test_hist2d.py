@@ -91,6 +91,14 @@ def test_concentrated_and_large_histograms(device):
     spread_g, spread_p = random_grad(8, (700,), device=device), random_param((700,), device=device)
     big = ((150, 120), ((-3.0, 3.0), (-3.0, 3.0)))  # 18000 cells: beyond shared memory on CUDA
     assert torch.equal(ops.hist2d(spread_g, spread_p, *big), reference.hist2d(spread_g, spread_p, *big))
+    # More samples than a CUDA grid has rows of blocks (65535).
+    many_g = random_grad(70001, (3,), device=device)
+    many_p = random_param((3,), device=device)
+    assert torch.equal(ops.hist2d(many_g, many_p), reference.hist2d(many_g, many_p))
+    # On CUDA, cells + 1 int32 slots fill 48 KiB of shared memory once at 12287 cells.
+    for bins in [(127, 96), (12287, 1), (96, 128)]:
+        rng = ((-3.0, 3.0), (-3.0, 3.0))
+        assert torch.equal(ops.hist2d(spread_g, spread_p, bins, rng), reference.hist2d(spread_g, spread_p, bins, rng))
 
 
 @pytest.mark.parametrize("device", DEVICES)

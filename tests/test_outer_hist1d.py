@@ -50,6 +50,14 @@ def test_matches_reference(device, dtype, sizes, n, layout):
     assert (counts - exact).abs().sum() <= 2 * values_near_edges(products, lo, hi, bins, tol=tol)
 
 
+# More samples than a CUDA grid has rows of blocks (65535): row groups must cover them all.
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_samples_than_grid_rows(device):
+    delta, inputs = factors(70001, 2, 3, device=device)
+    rng = (-1.0, 1.5)
+    assert torch.equal(ops.outer_hist1d(delta, inputs, 31, rng, 70001.0), reference.outer_hist1d(delta, inputs, 31, rng, 70001.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_same_counts_as_hist1d_of_the_materialised_outer_products(dtype):
     # What BackPACK's BatchGrad stores for a 2-d Linear input: grad_batch[n] = delta[n] input[n]^T.

@@ -38,6 +38,14 @@ def test_matches_float64_reference(device, dtype, param_shape, n, layout):
     assert_close_to_reference(sgs, expected_sgs, dtype)
 
 
+# More samples than a CUDA grid has rows of blocks (65535): row groups must cover them all.
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_samples_than_grid_rows(device):
+    g = random_grad(70001, (3,), device=device)
+    assert_close_to_reference(ops.batch_l2(g), reference.batch_l2(g.double()), torch.float32)
+    assert_close_to_reference(ops.sum_grad_squared(g), reference.sum_grad_squared(g.double()), torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_equals_separate_ops_exactly(device):
     g = random_grad(33, (300, 7), device=device)
