@@ -73,13 +73,14 @@ __device__ inline T warp_sum(T v) {
   return v;
 }
 
-// Counts `slot` in a shared histogram with one atomic per distinct slot per warp: lanes holding
+// Counts `slot` (if below `limit`) with one atomic per distinct slot per warp: lanes holding
 // the same slot are combined first, so data concentrated in a few bins does not serialise.
 // Every lane of the warp must make the call together.
-__device__ inline void count_in_warp(unsigned int* histogram, unsigned int slot) {
+template <typename Counter>
+__device__ inline void count_in_warp(Counter* histogram, unsigned int slot, unsigned int limit) {
   const unsigned int peers = __match_any_sync(0xffffffffu, slot);
-  if ((threadIdx.x % kWarpSize) == static_cast<unsigned int>(__ffs(peers) - 1)) {
-    atomicAdd(histogram + slot, static_cast<unsigned int>(__popc(peers)));
+  if ((threadIdx.x % kWarpSize) == static_cast<unsigned int>(__ffs(peers) - 1) && slot < limit) {
+    atomicAdd(histogram + slot, static_cast<Counter>(__popc(peers)));
   }
 }
 
@@ -93,7 +94,8 @@ inline int shared_histogram_copies(int64_t slots) {
 // A block's histogram of `counted` bins plus one discard slot (`counted` itself: NaN, lanes past
 // the end). With kShared, `copies` privatised copies in the block's dynamic shared memory, the
 // warps spread over them, updated with warp-aggregated atomics and flushed into the global int64
-// counts once; without, straight atomics on the global counts (too large for shared memory).
+// counts once; without (too large for shared memory), warp-aggregated atomics on the global
+// counts, the discard slot dropped.
 template <bool kShared>
 class BlockHistogram {
  public:
@@ -113,10 +115,11 @@ class BlockHistogram {
 
   // Every lane of the warp calls it together (count_in_warp).
   __device__ void add(int32_t slot) {
+    const auto s = static_cast<unsigned int>(slot);
     if constexpr (kShared) {
-      count_in_warp(mine_, static_cast<unsigned int>(slot));
-    } else if (slot < counted_) {
-      atomicAdd(counts_ + slot, 1ULL);
+      count_in_warp(mine_, s, static_cast<unsigned int>(counted_ + 1));
+    } else {
+      count_in_warp(counts_, s, static_cast<unsigned int>(counted_));
     }
   }
 
