@@ -21,9 +21,9 @@ class Alpha(Quantity):
 
     For SGD without momentum the update is -lr times the mini-batch gradient, so the individual
     gradients' projections on it are -lr times their dot products with that gradient (the
-    statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For other optimizers
-    (or none handed in via ``info['optimizer']``, which warns) the parameters and individual
-    gradients of step t are kept until step t + 1 reveals the update. Needs ``info`` entries
+    statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For
+    other optimizers (or none handed in via ``info['optimizer']``, which warns) the parameters
+    and individual gradients of step t are kept until step t + 1 reveals the update. Needs ``info`` entries
     ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
     """
 

@@ -6,10 +6,10 @@
 // with one sample's longer factor sorted (radix sort), a row's bins form runs, and each run's
 // end is found from the bin's threshold, computed once per call: a row costs O(bins it spans *
 // log q) instead of O(q), and gradients span few bins. The comparisons are made on the very
-// products the materialised op bins, so the counts are the same, exactly. A zero factor (a ReLU unit that was off: often half the rows)
-// puts every finite value in the bin of 0 at once (0 * ±inf is NaN, never counted). Rows with a
-// non-finite factor are binned one by one, and so is every row when there are too few rows to
-// pay for the sort.
+// products the materialised op bins, so the counts are the same, exactly. A zero factor (a ReLU
+// unit that was off: often half the rows) puts every finite value in the bin of 0 at once
+// (0 * ±inf is NaN, never counted). Rows with a non-finite factor are binned one by one, and so
+// is every row when there are too few rows to pay for the sort.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -77,6 +77,10 @@ inline void check_cells(const char* op, int64_t cells) {
                     " histogram cells, got ", cells);
 }
 
+inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // Whether `bins` bins over (lo, hi) can be computed in T: bounds that stay ordered, a finite
 // span * bins (hist1d's intermediate) and a nonzero bin width (hist2d's divisor).
 template <typename T>
@@ -95,7 +99,7 @@ inline void check_range(const char* op, double lo, double hi, int64_t bins,
                     "range bounds must be finite, got (", lo, ", ", hi, ")");
   TORCH_CHECK_VALUE(lo < hi, "cockpit_fast.", op, ": ", axis, "range needs lo < hi, got (", lo,
                     ", ", hi, ")");
-  const bool wide = dtype == at::kDouble;
+  const bool wide = accumulation_dtype(dtype) == at::kDouble;
   TORCH_CHECK_VALUE(wide ? range_fits<double>(lo, hi, bins) : range_fits<float>(lo, hi, bins),
                     "cockpit_fast.", op, ": ", axis, "range (", lo, ", ", hi, ") with ", bins,
                     " bins overflows or rounds to nothing in ", wide ? "float64" : "float32",
@@ -118,10 +122,6 @@ inline at::Tensor as_rows(const at::Tensor& g) {
   int64_t per_sample = 1;  // explicit, since view(N, -1) is ambiguous when N == 0
   for (int64_t d = 1; d < g.dim(); ++d) per_sample *= g.size(d);
   return g.contiguous().view({g.size(0), per_sample});
-}
-
-inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 }  // namespace cockpit_fast
