@@ -35,7 +35,9 @@ void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, d
       } else {
         hist1d_slots<false>(data + base, len, s, b, slots);
       }
-      histograms.count(mine, slots, len);
+      const int64_t next = base + len;
+      const int64_t next_len = std::min(kBatch, end - next);
+      histograms.count(mine, slots, len, {data + next, next_len * int64_t(sizeof(scalar_t))});
     }
   });
   histograms.sum_into(counts.data_ptr<int64_t>(), bins);

@@ -52,7 +52,11 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
       const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
       for (int64_t n = group * kGroupRows; n < n_end; ++n) {
         hist2d_slots(data + n * n_cols + j0, y_bins, len, s, x_axis, y_axis.bins, discard, slots);
-        histograms.count(mine, slots, len);
+        // Next: the same columns of the next row (valid memory even past this group).
+        const Upcoming next = n + 1 < n_rows
+                                  ? Upcoming{data + (n + 1) * n_cols + j0, len * int64_t(sizeof(scalar_t))}
+                                  : Upcoming{};
+        histograms.count(mine, slots, len, next);
       }
     }
   });

@@ -66,9 +66,10 @@ inline Hist1dBins<acc_t> make_hist1d_bins(int64_t bins, double lo, double hi) {
 template <bool kMultiply = false, typename acc_t>
 C10_HOST_DEVICE inline int32_t hist1d_slot(acc_t x, const Hist1dBins<acc_t>& b) {
   const bool nan = is_nan(x);
-  acc_t clamped = x < b.lo ? b.lo : x;
-  clamped = clamped > b.hi ? b.hi : clamped;
-  clamped = nan ? b.lo : clamped;
+  // Written so that NaN fails the first comparison and becomes lo: no separate NaN select,
+  // which keeps the CPU's vectorised loop short.
+  acc_t clamped = x >= b.lo ? x : b.lo;
+  clamped = clamped <= b.hi ? clamped : b.hi;
   const acc_t scaled = (clamped - b.lo) * static_cast<acc_t>(b.bins);
   const int32_t pos = static_cast<int32_t>(kMultiply ? scaled * b.inverse_span : scaled / b.span);
   const int32_t bin = pos >= b.bins ? b.bins - 1 : pos;
