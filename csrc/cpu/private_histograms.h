@@ -23,10 +23,12 @@ class PrivateHistograms {
   explicit PrivateHistograms(int64_t slots)
       : slots_(slots),
         copies_(slots <= 8192 ? 4 : 1),  // count() relies on 1 or 4
-        counts_(static_cast<size_t>(at::get_num_threads() * copies_ * slots), 0) {}
+        threads_(at::get_num_threads()),
+        stride_(padded(copies_ * slots)),
+        counts_(static_cast<size_t>(threads_ * stride_ + kPadding), 0) {}
 
   // The calling thread's counters; valid inside at::parallel_for.
-  int64_t* mine() { return counts_.data() + at::get_thread_num() * copies_ * slots_; }
+  int64_t* mine() { return first() + at::get_thread_num() * stride_; }
 
   // Counts slots[0..len) into the calling thread's counters, value i into copy i % copies.
   // Meanwhile it asks the cache for `upcoming`, the memory the caller reads next: counting
@@ -50,19 +52,34 @@ class PrivateHistograms {
   }
 
   // Adds every thread's counters of slots [0, n_out) into out.
-  void sum_into(int64_t* out, int64_t n_out) const {
-    const int64_t histograms = static_cast<int64_t>(counts_.size()) / slots_;
-    for (int64_t h = 0; h < histograms; ++h) {
-      const int64_t* counts = counts_.data() + h * slots_;
-      for (int64_t s = 0; s < n_out; ++s) out[s] += counts[s];
+  void sum_into(int64_t* out, int64_t n_out) {
+    for (int64_t thread = 0; thread < threads_; ++thread) {
+      for (int64_t copy = 0; copy < copies_; ++copy) {
+        const int64_t* counts = first() + thread * stride_ + copy * slots_;
+        for (int64_t s = 0; s < n_out; ++s) out[s] += counts[s];
+      }
     }
   }
 
  private:
   static constexpr int64_t kCacheLine = 64;
   static constexpr int64_t kBlock = 16;  // values counted per cache line asked for
+  // Threads' counters start on their own pair of cache lines: a counter line shared by two
+  // threads on two cores goes back and forth between them on every increment (the outer bins,
+  // where clamped values land, sit at the edges of each thread's counters). Two lines, as
+  // CPUs fetch lines in adjacent pairs.
+  static constexpr int64_t kPadding = 2 * kCacheLine / int64_t(sizeof(int64_t));
 
-  int64_t slots_, copies_;
+  static int64_t padded(int64_t n) { return (n + kPadding - 1) / kPadding * kPadding + kPadding; }
+
+  // The first counter at a kPadding-aligned address.
+  int64_t* first() {
+    const auto address = reinterpret_cast<uintptr_t>(counts_.data());
+    const uintptr_t align = kPadding * sizeof(int64_t);
+    return counts_.data() + ((align - address % align) % align) / sizeof(int64_t);
+  }
+
+  int64_t slots_, copies_, threads_, stride_;
   std::vector<int64_t> counts_;
 };
 
