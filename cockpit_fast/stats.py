@@ -44,7 +44,10 @@ def _merge_two(a, na, b, nb):
     out[:, MAX] = torch.maximum(a[:, MAX], b[:, MAX])
     out[:, MIN] = torch.minimum(a[:, MIN], b[:, MIN])
     delta = b[:, MEAN] - a[:, MEAN]
-    out[:, MEAN] = a[:, MEAN] + delta * (nb / n)
+    # Where a mean is infinite, Chan's update gives inf - inf = NaN: weigh the means directly.
+    chan = a[:, MEAN] + delta * (nb / n)
+    weighted = a[:, MEAN] * (na / n) + b[:, MEAN] * (nb / n)
+    out[:, MEAN] = torch.where(torch.isfinite(delta), chan, weighted)
     out[:, M2] = a[:, M2] + b[:, M2] + delta * delta * (na * nb / n)
     out[:, MAX_ABS] = torch.maximum(a[:, MAX_ABS], b[:, MAX_ABS])
     out[:, P0:] = a[:, P0:] + b[:, P0:]

@@ -86,7 +86,10 @@ def test_rejects_bad_input():
 
 @requires_cuda
 def test_rejects_tensors_on_different_devices():
-    assert_rejects("batch_dot", lambda m: m.batch_dot(torch.ones(2, 4, device="cuda"), torch.ones(4)), "is on")
+    # Either order: with g on the CPU the dispatcher still picks the CUDA kernel.
+    for g_device, direction_device in (("cuda", "cpu"), ("cpu", "cuda")):
+        g, direction = torch.ones(2, 4, device=g_device), torch.ones(4, device=direction_device)
+        assert_rejects("batch_dot", lambda m: m.batch_dot(g, direction), "is on")
 
 
 @pytest.mark.parametrize("device", DEVICES)

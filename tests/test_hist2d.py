@@ -138,8 +138,10 @@ def test_rejects_bad_input():
 
 @requires_cuda
 def test_rejects_tensors_on_different_devices():
-    g = torch.ones(2, 4, device="cuda")
-    assert_rejects("hist2d", lambda m: m.hist2d(g, torch.ones(4)), "is on")
+    # Either order: with g on the CPU the dispatcher still picks the CUDA kernel.
+    for g_device, param_device in (("cuda", "cpu"), ("cpu", "cuda")):
+        g, param = torch.ones(2, 4, device=g_device), torch.ones(4, device=param_device)
+        assert_rejects("hist2d", lambda m: m.hist2d(g, param), "is on")
 
 
 @pytest.mark.parametrize("device", DEVICES)

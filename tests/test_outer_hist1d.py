@@ -180,7 +180,9 @@ def test_rejects_bad_input():
 
 @requires_cuda
 def test_rejects_factors_on_different_devices():
-    assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(torch.ones(2, 3), torch.ones(2, 3).cuda()), "is on")
+    for left_device, right_device in (("cuda", "cpu"), ("cpu", "cuda")):
+        left, right = torch.ones(2, 3, device=left_device), torch.ones(2, 3, device=right_device)
+        assert_rejects("outer_hist1d", lambda m: m.outer_hist1d(left, right), "is on")
 
 
 @pytest.mark.parametrize("device", DEVICES)

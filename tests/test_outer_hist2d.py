@@ -110,9 +110,11 @@ def test_rejects_bad_input():
 
 
 @requires_cuda
-def test_rejects_param_on_another_device():
-    left, right = torch.ones(3, 4).cuda(), torch.ones(3, 5).cuda()
-    assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(left, right, torch.ones(4, 5)), "but param is on")
+def test_rejects_tensors_on_different_devices():
+    # Any one tensor elsewhere: with left on the CPU the dispatcher still picks the CUDA kernel.
+    for devices in (("cuda", "cuda", "cpu"), ("cpu", "cpu", "cuda"), ("cpu", "cuda", "cuda")):
+        left, right, param = (torch.ones(shape, device=d) for shape, d in zip([(3, 4), (3, 5), (4, 5)], devices))
+        assert_rejects("outer_hist2d", lambda m: m.outer_hist2d(left, right, param), " is on")
 
 
 @pytest.mark.parametrize("device", DEVICES)

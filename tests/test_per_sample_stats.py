@@ -87,6 +87,36 @@ def test_nan_propagates_to_every_column(device):
     assert result[1].isnan().all() and result[0].isfinite().all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_infinite_values_give_the_reference_statistics(device, dtype):
+    # Rows long enough to be summarised in pieces (CPU chunks, CUDA threads) and merged, with the
+    # infinities in different pieces: a merge must not turn an infinite mean into NaN.
+    g = random_grad(5, (9000,), dtype, device)
+    g[0, 7] = math.inf
+    g[1, 7], g[1, 8500] = math.inf, math.inf
+    g[2, 7], g[2, 8500] = math.inf, -math.inf
+    g[3, 8999] = -math.inf
+    result = ops.per_sample_stats(g, 2.0, [1.0, 2.0])
+    expected = reference.per_sample_stats(g.double(), 2.0, [1.0, 2.0])
+    torch.testing.assert_close(result.double(), expected, rtol=2e-5, atol=1e-9, equal_nan=True)
+    mean = result[:, stats.MEAN].tolist()
+    assert mean[0] == mean[1] == math.inf and math.isnan(mean[2]) and mean[3] == -math.inf
+    assert result[4].isfinite().all()
+
+
+def test_merging_keeps_an_infinite_mean():
+    finite = random_grad(3, (40,), torch.float64)
+    infinite = random_grad(3, (60,), torch.float64)
+    infinite[0, 5], infinite[1, 5], infinite[1, 6] = math.inf, math.inf, -math.inf
+    parts = [(ops.per_sample_stats(finite), 40), (ops.per_sample_stats(infinite), 60)]
+    whole = reference.per_sample_stats(torch.cat([finite, infinite], dim=1))
+    for order in (parts, parts[::-1]):  # the infinite mean first is the case Chan's update breaks
+        merged, _ = stats.merge(order)
+        torch.testing.assert_close(merged, whole, rtol=1e-12, atol=1e-12, equal_nan=True)
+        assert merged[0, stats.MEAN] == math.inf and merged[1, stats.MEAN].isnan()
+
+
 def test_same_result_on_any_thread_count():
     g = random_grad(40, (9000,))
     one, two = same_on_one_and_two_threads(lambda: ops.per_sample_stats(g, 1.0, P_VALUES))

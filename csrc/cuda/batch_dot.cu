@@ -47,8 +47,8 @@ __global__ void batch_dot_kernel(const scalar_t* __restrict__ data,
 }
 
 at::Tensor batch_dot_cuda(const at::Tensor& g, const at::Tensor& direction, double scale) {
-  const c10::cuda::CUDAGuard guard(g.device());
   BatchDotArgs args = batch_dot_args(g, direction, scale);
+  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t n_rows = args.rows.size(0), n_cols = args.rows.size(1);
   if (args.rows.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "batch_dot", [&] {

@@ -37,8 +37,8 @@ __global__ void hist1d_kernel(const scalar_t* __restrict__ data, int64_t numel,
 }
 
 at::Tensor hist1d_cuda(const at::Tensor& g, int64_t bins, double lo, double hi, double scale) {
-  const c10::cuda::CUDAGuard guard(g.device());
   Hist1dArgs args = hist1d_args(g, bins, lo, hi, scale);
+  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t numel = args.rows.numel();
   if (numel > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "hist1d", [&] {

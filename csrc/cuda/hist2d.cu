@@ -48,8 +48,8 @@ __global__ void hist2d_kernel(const scalar_t* __restrict__ data, const scalar_t*
 
 at::Tensor hist2d_cuda(const at::Tensor& g, const at::Tensor& param, int64_t xbins, int64_t ybins,
                        double xlo, double xhi, double ylo, double yhi, double scale) {
-  const c10::cuda::CUDAGuard guard(g.device());
   Hist2dArgs args = hist2d_args(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale);
+  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t n_rows = args.rows.size(0), n_cols = args.rows.size(1);
   if (args.rows.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "hist2d", [&] {

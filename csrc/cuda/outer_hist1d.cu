@@ -43,8 +43,8 @@ __global__ void outer_hist1d_kernel(const scalar_t* __restrict__ left,
 
 at::Tensor outer_hist1d_cuda(const at::Tensor& left, const at::Tensor& right, int64_t bins,
                              double lo, double hi, double scale) {
-  const c10::cuda::CUDAGuard guard(left.device());
   OuterHist1dArgs args = outer_hist1d_args(left, right, bins, lo, hi, scale);
+  const c10::cuda::CUDAGuard guard(left.device());
   const int64_t p = args.left.size(1), q = args.right.size(1);
   const int64_t n_rows = args.left.numel();
   if (n_rows > 0 && q > 0) {

@@ -51,9 +51,9 @@ __global__ void outer_hist2d_kernel(const scalar_t* __restrict__ left,
 at::Tensor outer_hist2d_cuda(const at::Tensor& left, const at::Tensor& right,
                              const at::Tensor& param, int64_t xbins, int64_t ybins, double xlo,
                              double xhi, double ylo, double yhi, double scale) {
-  const c10::cuda::CUDAGuard guard(left.device());
   OuterHist2dArgs args =
       outer_hist2d_args(left, right, param, xbins, ybins, xlo, xhi, ylo, yhi, scale);
+  const c10::cuda::CUDAGuard guard(left.device());
   const int64_t p = args.left.size(1), q = args.right.size(1);
   const int64_t n_rows = args.left.numel();
   if (n_rows > 0 && q > 0) {

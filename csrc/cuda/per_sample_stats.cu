@@ -58,9 +58,9 @@ __global__ void rows_from_summaries_kernel(const Summary<acc_t>* __restrict__ pa
 }
 
 at::Tensor per_sample_stats_cuda(const at::Tensor& g, double scale, at::ArrayRef<double> p_values) {
-  const c10::cuda::CUDAGuard guard(g.device());
   const std::vector<double> ps(p_values.begin(), p_values.end());
   PerSampleStatsArgs args = per_sample_stats_args(g, scale, ps);
+  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t n_rows = args.rows.size(0), n_cols = args.rows.size(1);
   if (args.rows.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "per_sample_stats", [&] {

@@ -65,8 +65,8 @@ __global__ void square_norms_kernel(const scalar_t* __restrict__ data, int64_t n
 
 template <bool kRows, bool kColumns>
 SquareNormsArgs square_norms_cuda(const char* op, const at::Tensor& g, double scale) {
-  const c10::cuda::CUDAGuard guard(g.device());
   SquareNormsArgs args = square_norms_args(op, g, scale);
+  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t n_rows = args.rows.size(0), n_cols = args.rows.size(1);
   if (args.rows.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "square_norms", [&] {

@@ -270,7 +270,10 @@ C10_HOST_DEVICE inline void summary_merge(Summary<acc_t>& a, const Summary<acc_t
   }
   const acc_t n = a.count + b.count;
   const acc_t delta = b.mean - a.mean;
-  a.mean += delta * (b.count / n);
+  // An infinite mean makes delta infinite (or NaN), and Chan's update would give inf - inf =
+  // NaN where the mean is +-inf: weigh the two means directly then.
+  a.mean = delta - delta == 0 ? a.mean + delta * (b.count / n)
+                              : a.mean * (a.count / n) + b.mean * (b.count / n);
   a.m2 += b.m2 + delta * delta * (a.count * b.count / n);
   a.count = n;
   a.max = nan_max(a.max, b.max);

@@ -1,5 +1,9 @@
 // Parallel skeleton pieces shared by the CUDA kernels: vector loads, warp reductions, the
 // privatised block histogram and its launch, and the (column tile x row group) grid.
+//
+// Every CUDA entry point checks its arguments before it takes the device guard: with one
+// tensor on the CPU the dispatcher still picks the CUDA kernel, and a guard on a CPU device
+// would fail with torch's message instead of ours, which names the op and the tensors.
 #pragma once
 
 // Only c10's CUDA headers: ATen/cuda/CUDAContext.h would pull in cuBLAS and cuSPARSE headers
