@@ -1,9 +1,11 @@
 """``Cockpit``: tracks quantities during training, a drop-in for ``cockpit.Cockpit`` 1.0.2."""
 
 import os
+import warnings
 from collections import defaultdict
 
 import json_tricks
+import torch
 import torch.distributed
 from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
@@ -71,6 +73,7 @@ class Cockpit:
         for q in quantities or []:
             self.add(q)
         self.output = defaultdict(dict)
+        self._nan_loss = _NanLossWatch()
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -111,6 +114,8 @@ class Cockpit:
         """Let every quantity track ``ctx``; free ``buffers`` before those that need a clean graph."""
         if ctx.group is not None:
             reduce_step(ctx, curvature_names)
+        if ctx.has_info("loss"):
+            self._nan_loss.observe(ctx.global_step, ctx.loss(self))
         late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
         for q in self.quantities:
             if not q.RUNS_AFTER_CLEANUP:
@@ -154,6 +159,7 @@ class Cockpit:
 
     def get_output(self):
         """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded."""
+        self._nan_loss.report()
         for q in self.quantities:
             name = type(q).__name__
             for step, value in q.get_output().items():
@@ -186,6 +192,42 @@ class Cockpit:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as file:
             json_tricks.dump(self.get_output(), file, indent=4, sort_keys=True)
+
+
+class _NanLossWatch:
+    """Cockpit's warning on a NaN mini-batch loss at a tracked step, without a host sync on a GPU.
+
+    A loss on the CPU is checked at once. On a device, the first step with a NaN loss and their
+    count stay on the device, in constant memory, until :meth:`report` (when output is read).
+    """
+
+    def __init__(self):
+        self._first = self._count = None
+
+    def observe(self, step, loss):
+        nan = loss.isnan()
+        if loss.device.type == "cpu":
+            if nan:
+                _warn_nan_loss(step, loss.item(), 1)
+            return
+        if self._count is None:
+            self._first = torch.full((), -1, dtype=torch.long, device=loss.device)
+            self._count = torch.zeros((), dtype=torch.long, device=loss.device)
+        self._first = torch.where(nan & (self._first < 0), step, self._first)
+        self._count = self._count + nan
+
+    def report(self):
+        if self._count is None:
+            return
+        first, count = self._first.item(), self._count.item()
+        self._first = self._count = None
+        if count:
+            _warn_nan_loss(first, float("nan"), count)
+
+
+def _warn_nan_loss(step, loss, steps):
+    also = f" (and on {steps - 1} later tracked steps)" if steps > 1 else ""
+    warnings.warn(f"[Step {step}] Mini-batch loss is {loss}{also}. This may break computation of quantities.")
 
 
 class _TrackedBackward:

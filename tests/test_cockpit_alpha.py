@@ -3,12 +3,14 @@
 import warnings
 
 import pytest
+import torch
+from backpack import extend
 
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.quantities.alpha import _alpha
 from cockpit_fast.utils import schedules as fast_schedules
-from test_cockpit_core import MODELS, ROUTES, assert_same_output, one, side_by_side, train
+from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side, train
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -58,3 +60,29 @@ def test_alpha_conventions():
     assert _alpha(2.0, [1.0, 1.0], [-2.0, 2.0], [1.0, 1.0], [1.0, 1.0]) == pytest.approx(1.0, abs=1e-9)
     with pytest.warns(UserWarning, match="variance of f is 0"):
         _alpha(1.0, [1.0, 0.0], [-2.0, 0.0], [0.0, 1.0], [1.0, 1.0])
+
+
+def _alpha_with_unfittable_losses(cockpit_cls, q, s):
+    """Alpha over 3 steps whose individual losses have an infinite variance (no fit possible)."""
+    torch.manual_seed(0)
+    model, loss_fn = extend(torch.nn.Linear(5, 3)), extend(torch.nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cp = cockpit_cls(model.parameters(), quantities=[q.Alpha(s.linear(1))])
+    data = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(4, 5, generator=data), torch.randint(0, 3, (4,), generator=data)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        losses = torch.tensor([1e200, -1e200, 1e200, -1e200], dtype=torch.float64)
+        with cp(step, info={"loss": loss, "batch_size": 4, "individual_losses": losses, "optimizer": opt}):
+            loss.backward()
+        opt.step()
+    return dict(cp.get_output())
+
+
+def test_a_failed_fit_leaves_the_step_out_as_in_cockpit():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _alpha_with_unfittable_losses(cockpit.Cockpit, cockpit.quantities, ref_schedules)
+        actual = _alpha_with_unfittable_losses(FastCockpit, fast_quantities, fast_schedules)
+    assert expected == {} and actual == expected

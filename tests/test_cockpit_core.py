@@ -263,3 +263,36 @@ def test_memory_stays_flat_over_many_steps():
     _, cp = train(FastCockpit, make, "mlp", steps=6, optimizer="adam")
     alpha, update_size = cp.quantities
     assert len(alpha._starts._entries) == 1 and len(update_size._start._entries) == 1
+
+
+def _nan_loss_warnings(cockpit_cls, q, s):
+    """Warnings of 2 tracked steps of NormTest (which does not read the loss) with a NaN loss."""
+    torch.manual_seed(0)
+    model, loss_fn = extend(torch.nn.Linear(5, 3)), extend(torch.nn.CrossEntropyLoss())
+    cp = cockpit_cls(model.parameters(), quantities=[q.NormTest(s.linear(1))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            loss = loss_fn(model(torch.randn(4, 5)), torch.randint(0, 3, (4,)))
+            with cp(step, info={"loss": loss * float("nan"), "batch_size": 4}):
+                loss.backward()
+        cp.get_output()
+    return [str(w.message) for w in caught if "Mini-batch loss" in str(w.message)]
+
+
+def test_a_nan_loss_is_warned_about_on_every_tracked_step_as_in_cockpit():
+    expected = _nan_loss_warnings(cockpit.Cockpit, cockpit.quantities, ref_schedules)
+    actual = _nan_loss_warnings(FastCockpit, fast_quantities, fast_schedules)
+    assert len(expected) == 2 and len(actual) == 2
+    for step, message in enumerate(actual):
+        assert message.startswith(f"[Step {step}] Mini-batch loss is nan.")
+
+
+@pytest.mark.parametrize("name", ["NormTest", "InnerTest", "OrthoTest"])
+def test_a_variance_over_one_sample_is_a_clear_error(name):
+    model = extend(torch.nn.Linear(5, 3))
+    cp = FastCockpit(model.parameters(), quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
+    loss = extend(torch.nn.CrossEntropyLoss())(model(torch.randn(1, 5)), torch.tensor([0]))
+    with pytest.raises(ValueError, match=f"{name} estimates a variance .* needs at least 2 of them, got 1"):
+        with cp(0, info={"loss": loss, "batch_size": 1}):
+            loss.backward()

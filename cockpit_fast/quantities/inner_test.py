@@ -1,7 +1,7 @@
 """Inner product test for the mini-batch size."""
 
 from cockpit_fast._step import DOT_MEAN_GRAD
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
 
 
 class InnerTest(Quantity):
@@ -16,7 +16,7 @@ class InnerTest(Quantity):
 
     def _compute(self, ctx):
         projections = ctx.summed(DOT_MEAN_GRAD)  # <∇ℓ_n / N, g>
-        n = projections.shape[0]
+        n = samples_for_variance(self, projections)
         projections = n * projections
         grad_l2_squared = ctx.grad_l2_squared()
         variance = ((projections**2).sum() - n * grad_l2_squared**2) / (n - 1)

@@ -1,7 +1,7 @@
 """Norm test for the mini-batch size."""
 
 from cockpit_fast._step import BATCH_L2
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
 
 
 class NormTest(Quantity):
@@ -16,7 +16,7 @@ class NormTest(Quantity):
 
     def _compute(self, ctx):
         batch_l2 = ctx.summed(BATCH_L2)  # ||∇ℓ_n / N||²
-        n = batch_l2.shape[0]
+        n = samples_for_variance(self, batch_l2)
         grad_l2_squared = ctx.grad_l2_squared()
         variance_l1 = (n**2 * batch_l2.sum() - n * grad_l2_squared) / (n - 1)
         return (variance_l1 / n / grad_l2_squared).sqrt()

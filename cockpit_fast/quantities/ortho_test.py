@@ -1,7 +1,7 @@
 """Orthogonality test for the mini-batch size."""
 
 from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
 
 
 class OrthoTest(Quantity):
@@ -17,7 +17,7 @@ class OrthoTest(Quantity):
 
     def _compute(self, ctx):
         batch_l2 = ctx.summed(BATCH_L2)  # ||∇ℓ_n / N||²
-        n = batch_l2.shape[0]
+        n = samples_for_variance(self, batch_l2)
         projections = n * ctx.summed(DOT_MEAN_GRAD)
         grad_l2_squared = ctx.grad_l2_squared()
         variance = (n**2 * batch_l2.sum() - (projections**2 / grad_l2_squared).sum()) / (n - 1)

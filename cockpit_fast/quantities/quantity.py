@@ -50,6 +50,8 @@ class Quantity:
         """Compute and store the value at ``ctx.global_step`` if the schedule asks for it."""
         if self.should_compute(ctx.global_step):
             self._store(ctx.global_step, self._compute(ctx))
+        elif self._verbose:
+            print(f"{self._verbose_prefix(ctx.global_step)}: No computation scheduled")
 
     def _compute(self, ctx):
         """The value at ``ctx.global_step``, or None if there is none to store."""
@@ -58,14 +60,23 @@ class Quantity:
     def _store(self, step, value):
         if value is None:
             return
-        if self._verbose:
-            print(f"[Step {step} | {type(self).__name__}]: stored a value for step {step}")
+        if self._verbose:  # the value itself stays on the device until output is read
+            print(f"{self._verbose_prefix(step)}: Store iteration {step}")
         self._pending[step] = value
 
+    def _verbose_prefix(self, step):
+        return f"[Step {step} | {type(self).__name__}]"
+
     def get_output(self):
-        """Results keyed by step, converted to Cockpit's output types (each value once)."""
+        """Results keyed by step, converted to Cockpit's output types (each value once).
+
+        A step whose deferred computation finds no value (a failed fit) is left out, as
+        Cockpit leaves out a step whose computation returns None.
+        """
         for step in sorted(self._pending):
-            self._output[step] = self._convert(self._pending.pop(step))
+            value = self._convert(self._pending.pop(step))
+            if value is not None:
+                self._output[step] = value
         return self._output
 
     def _convert(self, value):
@@ -88,6 +99,21 @@ class Deferred:
     def result(self):
         """Convert the inputs and finish the computation."""
         return self._finish(*to_output(self._inputs))
+
+
+def samples_for_variance(quantity, per_sample):
+    """The number of samples behind ``per_sample``; an unbiased variance over them needs two.
+
+    Raises:
+        ValueError: On a batch of one sample (Cockpit 1.0.2 divides by zero there).
+    """
+    n = per_sample.shape[0]
+    if n < 2:
+        raise ValueError(
+            f"{type(quantity).__name__} estimates a variance over the samples of the mini-batch "
+            f"and needs at least 2 of them, got {n}"
+        )
+    return n
 
 
 def to_output(value):
