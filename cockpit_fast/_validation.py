@@ -76,7 +76,7 @@ def check_factors(op, left, right, scale):
             f"cockpit_fast.{op}: left and right must have the same number of samples, "
             f"got {left.shape[0]} and {right.shape[0]}"
         )
-    check_scale(op, scale)
+    check_scale(op, scale, left.dtype)
     return float(scale)
 
 
@@ -98,6 +98,13 @@ def _to_float32(x):
         return math.copysign(math.inf, x)
 
 
+def _accumulated(dtype):
+    """The rounding to ``dtype``'s accumulation type, and that type's name."""
+    if accumulation_dtype(dtype) == torch.float64:
+        return float, "float64"
+    return _to_float32, "float32"
+
+
 def check_range(op, lo, hi, bins, dtype, axis=""):
     """Finite, ordered bounds whose bins can be computed in ``dtype``'s accumulation type: a range
     fine in double can overflow (span * bins) or round to nothing (the bin width) in float32."""
@@ -106,33 +113,38 @@ def check_range(op, lo, hi, bins, dtype, axis=""):
         raise ValueError(f"cockpit_fast.{op}: {axis}range bounds must be finite, got ({lo}, {hi})")
     if not lo < hi:
         raise ValueError(f"cockpit_fast.{op}: {axis}range needs lo < hi, got ({lo}, {hi})")
-    wide = accumulation_dtype(dtype) == torch.float64
-    rounded = float if wide else _to_float32
+    rounded, precision = _accumulated(dtype)
     low, high = rounded(lo), rounded(hi)
     span_times_bins, width = rounded(rounded(high - low) * bins), rounded((hi - lo) / bins)
     if not (low < high and math.isfinite(span_times_bins) and width > 0):
-        precision = "float64" if wide else "float32"
         raise ValueError(
             f"cockpit_fast.{op}: {axis}range ({lo}, {hi}) with {bins} bins overflows or rounds to "
             f"nothing in {precision}, the precision the bins are computed in"
         )
 
 
-def check_scale(op, scale):
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"cockpit_fast.{op}: scale must be finite, got {scale}")
+def check_scale(op, scale, dtype):
+    """``scale`` multiplies every value in ``dtype``'s accumulation type: it must be finite there."""
+    rounded, precision = _accumulated(dtype)
+    if not math.isfinite(rounded(float(scale))):
+        raise ValueError(
+            f"cockpit_fast.{op}: scale must be finite in {precision}, the precision it multiplies in, "
+            f"got {scale}"
+        )
 
 
-def check_p_values(op, p_values):
+def check_p_values(op, p_values, dtype):
+    """At most MAX_P_VALUES values, finite and > 0 in ``dtype``'s accumulation type."""
+    rounded, precision = _accumulated(dtype)
     if len(p_values) > MAX_P_VALUES:
         raise ValueError(
             f"cockpit_fast.{op}: at most {MAX_P_VALUES} p values per call, got {len(p_values)}"
         )
     for p in p_values:
-        if not (math.isfinite(p) and p > 0):
+        if not (math.isfinite(rounded(p)) and rounded(p) > 0):
             raise ValueError(
-                f"cockpit_fast.{op}: p values must be finite and > 0 (use the max_abs column "
-                f"for p = inf), got {p}"
+                f"cockpit_fast.{op}: p values must be finite and > 0 in {precision} (use the "
+                f"max_abs column for p = inf), got {p}"
             )
 
 
@@ -141,7 +153,7 @@ def check_p_values(op, p_values):
 
 def grad_args(op, g, scale):
     check_grad(op, g)
-    check_scale(op, scale)
+    check_scale(op, scale, g.dtype)
     return float(scale)
 
 
@@ -186,7 +198,7 @@ def batch_dot_args(g, direction, scale):
 def per_sample_stats_args(g, scale, p_values):
     scale = grad_args("per_sample_stats", g, scale)
     p_values = [float(p) for p in p_values]
-    check_p_values("per_sample_stats", p_values)
+    check_p_values("per_sample_stats", p_values, g.dtype)
     return scale, p_values
 
 

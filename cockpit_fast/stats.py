@@ -37,9 +37,11 @@ def merge(parts):
 
 
 def _merge_two(a, na, b, nb):
-    n = na + nb
-    if n == 0:
+    if nb == 0:  # an empty part is the identity (also where delta * delta would overflow)
         return a
+    if na == 0:
+        return b.clone()
+    n = na + nb
     out = a.clone()
     out[:, MAX] = torch.maximum(a[:, MAX], b[:, MAX])
     out[:, MIN] = torch.minimum(a[:, MIN], b[:, MIN])

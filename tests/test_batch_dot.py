@@ -104,3 +104,15 @@ def test_cuda_matches_cpu(dtype):
     g, direction = random_grad(64, (256, 33), dtype), random_param((256, 33), dtype)
     cpu = ops.batch_dot(g, direction, 64.0)
     torch.testing.assert_close(ops.batch_dot(g.cuda(), direction.cuda(), 64.0).cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_applies_to_each_product_not_the_sum(device, dtype):
+    # <scale * g, d>: here the unscaled products overflow, underflow, or meet a zero scale.
+    cases = [(1e30, 1e30, 1e-30, 1e30), (1e30, 1e30, 0.0, 0.0), (1e-30, 1e-30, 1e30, 1e-30)]
+    for g_value, d_value, scale, expected in cases:
+        g = torch.full((2, 3), g_value, dtype=dtype, device=device)
+        d = torch.full((3,), d_value, dtype=dtype, device=device)
+        result = ops.batch_dot(g, d, scale).double().cpu()
+        torch.testing.assert_close(result, torch.full((2,), 3 * expected, dtype=torch.float64), rtol=1e-5, atol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cockpit_fast import ops, reference, stats
-from conftest import random_grad, random_param
+from conftest import assert_rejects, random_grad, random_param
 
 
 def all_ops(g, param):
@@ -83,3 +83,29 @@ def test_tensors_past_two_to_the_31_elements():
     row_stats = ops.per_sample_stats(g, 1.0, [2.0])
     assert row_stats[1, stats.MAX] == 50.0 and row_stats[0, stats.MAX] == float(block.max())
     torch.testing.assert_close(row_stats[:, stats.P0].double(), expected_l2, rtol=1e-5, atol=0)
+
+
+def every_op_with_scale(g, param, scale):
+    """Every op on (g, param) and on the factors (g, param) with ``scale``."""
+    return {
+        "batch_l2": lambda m: m.batch_l2(g, scale),
+        "sum_grad_squared": lambda m: m.sum_grad_squared(g, scale),
+        "batch_l2_and_sum_grad_squared": lambda m: m.batch_l2_and_sum_grad_squared(g, scale),
+        "hist1d": lambda m: m.hist1d(g, 30, (-1.0, 1.0), scale),
+        "hist2d": lambda m: m.hist2d(g, param, (6, 7), ((-1.0, 1.0), (-2.0, 2.0)), scale),
+        "batch_dot": lambda m: m.batch_dot(g, param, scale),
+        "per_sample_stats": lambda m: m.per_sample_stats(g, scale, [1.0]),
+        "outer_hist1d": lambda m: m.outer_hist1d(g, g, 30, (-1.0, 1.0), scale),
+        "outer_hist2d": lambda m: m.outer_hist2d(g, g, param.expand(2, 2).contiguous(), (6, 7), ((-1.0, 1.0), (-2.0, 2.0)), scale),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_scale_beyond_float32_is_rejected_where_values_are_scaled_in_float32(dtype):
+    g, param = random_grad(3, (2,), dtype), random_param((2,), dtype)
+    for name, call in every_op_with_scale(g[:, :2].reshape(3, 2), param, 1e39).items():
+        assert_rejects(name, call, "scale must be finite in float32")
+    # float64 scales in float64, where 1e39 is fine.
+    g64, param64 = g.double()[:, :2].reshape(3, 2), param.double()
+    for name, call in every_op_with_scale(g64, param64, 1e39).items():
+        call(ops)

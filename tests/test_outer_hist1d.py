@@ -117,6 +117,19 @@ def test_zero_nan_and_infinite_factors(device, rows):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [5, 40])
+def test_a_sample_whose_sorted_factor_is_all_nan(device, rows):
+    # Nothing of that sample is counted; the CPU's run counting must not look into its (empty)
+    # sorted factor, whatever sample the same thread sorted before.
+    delta, inputs = factors(6, rows, 50, device=device, seed=21)
+    inputs[2] = float("nan")
+    inputs[5] = float("nan")
+    expected = reference.outer_hist1d(delta, inputs, 16, (-1.0, 1.0), 6.0)
+    one, two = same_on_one_and_two_threads(lambda: ops.outer_hist1d(delta, inputs, 16, (-1.0, 1.0), 6.0))
+    assert torch.equal(one, expected) and torch.equal(two, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_products_on_bin_edges(device, dtype):
     bins, lo, hi = 40, -2.0, 2.0

@@ -145,3 +145,32 @@ def test_cuda_matches_cpu(dtype):
     g = random_grad(64, (256, 33), dtype)
     cpu = ops.per_sample_stats(g, 64.0, P_VALUES)
     torch.testing.assert_close(ops.per_sample_stats(g.cuda(), 64.0, P_VALUES).cpu(), cpu, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_of_values_near_the_top_of_the_range(device, dtype):
+    # Finite values of both signs whose differences overflow: the mean is finite all the same.
+    big = torch.finfo(dtype).max / 1.2
+    short = torch.tensor([[big, -big, 0.0], [-big / 3, big * 2 / 3, big * 2 / 3]], dtype=dtype)
+    long = torch.cat([torch.full((2, 5000), big, dtype=dtype), torch.full((2, 5000), -big, dtype=dtype)], dim=1)
+    for g in (short, long):
+        mean = ops.per_sample_stats(g.to(device))[:, stats.MEAN].double().cpu()
+        expected = (g.double() / g.shape[1]).sum(1)  # a sum that cannot overflow
+        torch.testing.assert_close(mean, expected, rtol=1e-5, atol=big * 1e-6)
+
+
+def test_merging_an_empty_part_is_the_identity():
+    empty, full = ops.per_sample_stats(torch.zeros(2, 0)), ops.per_sample_stats(torch.full((2, 3), 1e20))
+    for parts in ([(empty, 0), (full, 3)], [(full, 3), (empty, 0)]):
+        merged, count = stats.merge(parts)
+        assert count == 3 and torch.equal(merged, full)
+
+
+def test_p_values_are_checked_in_the_precision_of_the_powers():
+    g = torch.tensor([[0.0, 1e-39, 1.0]])
+    assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [1e-50]), "finite and > 0 in float32")
+    assert_rejects("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [1e39]), "finite and > 0 in float32")
+    # In float64 the same p is a valid (if extreme) exponent: 0^p = 0, every other value ^p = 1.
+    result = ops.per_sample_stats(g.double(), 1.0, [1e-50])
+    assert result[0, stats.P0] == 2.0

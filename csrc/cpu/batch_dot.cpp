@@ -18,16 +18,18 @@ namespace {
 constexpr int64_t kTileColumns = 2048;
 
 template <typename scalar_t, typename acc_t>
-COCKPIT_FAST_SIMD_CLONES acc_t dot_tile(const scalar_t* x, const scalar_t* d, int64_t len) {
+COCKPIT_FAST_SIMD_CLONES acc_t dot_tile(const scalar_t* x, const scalar_t* d, int64_t len, acc_t s) {
+  // (s * x) * d, as <scale * g[n], direction> reads: scaling the sum instead overflows or
+  // underflows where the products do but the scaled products do not.
   acc_t lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes) {
     COCKPIT_FAST_LANES_SIMD
     for (int k = 0; k < kLanes; ++k) {
-      lanes[k] += static_cast<acc_t>(x[j + k]) * static_cast<acc_t>(d[j + k]);
+      lanes[k] += (s * static_cast<acc_t>(x[j + k])) * static_cast<acc_t>(d[j + k]);
     }
   }
-  for (; j < len; ++j) lanes[0] += static_cast<acc_t>(x[j]) * static_cast<acc_t>(d[j]);
+  for (; j < len; ++j) lanes[0] += (s * static_cast<acc_t>(x[j])) * static_cast<acc_t>(d[j]);
   acc_t total = 0;
   for (int k = 0; k < kLanes; ++k) total += lanes[k];
   return total;
@@ -42,21 +44,20 @@ void batch_dot_kernel(const at::Tensor& rows, const at::Tensor& direction, doubl
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
   const scalar_t* d = direction.const_data_ptr<scalar_t>();
   std::vector<acc_t> partials(n_rows * n_tiles);
+  const acc_t s = static_cast<acc_t>(scale);
 
   at::parallel_for(0, n_rows * n_tiles, grain_for(std::min(kTileColumns, n_cols)), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block / n_tiles, j0 = (block % n_tiles) * kTileColumns;
       const int64_t len = std::min(kTileColumns, n_cols - j0);
-      partials[block] = dot_tile<scalar_t, acc_t>(data + n * n_cols + j0, d + j0, len);
+      partials[block] = dot_tile<scalar_t, acc_t>(data + n * n_cols + j0, d + j0, len, s);
     }
   });
-  // Scaling the sum (not every product) is what <scale * g[n], direction> is, to rounding.
-  const acc_t s = static_cast<acc_t>(scale);
   acc_t* out = dots.data_ptr<acc_t>();
   for (int64_t n = 0; n < n_rows; ++n) {
     double total = 0;  // double: a long row has many tiles
     for (int64_t t = 0; t < n_tiles; ++t) total += partials[n * n_tiles + t];
-    out[n] = s * static_cast<acc_t>(total);
+    out[n] = static_cast<acc_t>(total);
   }
 }
 

@@ -100,6 +100,7 @@ class RowCounter {
   // with plain comparisons, then settled on the products themselves (the very values the
   // materialised op bins: the counts are exact, whatever the guess).
   void count_sorted(scalar_t u, const scalar_t* sorted, int64_t len, int64_t* counts) const {
+    if (len == 0) return;  // every v was NaN: no product is counted
     const acc_t slope = scale_ * static_cast<acc_t>(u);
     if (!std::isfinite(slope) || slope == 0) return count_each(u, sorted, len, counts);
     if (slope > 0) return count_runs<true>(u, slope, sorted, len, counts);

@@ -1,5 +1,6 @@
 // CUDA kernel of batch_dot. A block owns a tile of columns and a group of rows; every thread
-// holds its VEC direction values in registers and reuses them for every row. Per row, a warp
+// holds its VEC direction values in registers and reuses them for every row; each product is
+// (scale * g) * direction, as the op reads. Per row, a warp
 // reduces its products into one partial; torch sums the partials in a fixed order.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -17,6 +18,7 @@ template <typename scalar_t, int VEC>
 __global__ void batch_dot_kernel(const scalar_t* __restrict__ data,
                                  const scalar_t* __restrict__ direction, int64_t n_rows,
                                  int64_t n_cols, int64_t rows_per_group,
+                                 at::opmath_type<scalar_t> s,
                                  at::opmath_type<scalar_t>* __restrict__ row_partials) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
@@ -34,11 +36,11 @@ __global__ void batch_dot_kernel(const scalar_t* __restrict__ data,
     if (VEC > 1 && j + VEC <= n_cols) {
       const Pack<scalar_t, VEC> pack = *reinterpret_cast<const Pack<scalar_t, VEC>*>(row + j);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) dot += static_cast<acc_t>(pack.v[k]) * d[k];
+      for (int k = 0; k < VEC; ++k) dot += (s * static_cast<acc_t>(pack.v[k])) * d[k];
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        if (j + k < n_cols) dot += static_cast<acc_t>(row[j + k]) * d[k];
+        if (j + k < n_cols) dot += (s * static_cast<acc_t>(row[j + k])) * d[k];
       }
     }
     dot = warp_sum(dot);
@@ -61,11 +63,9 @@ at::Tensor batch_dot_cuda(const at::Tensor& g, const at::Tensor& direction, doub
         batch_dot_kernel<scalar_t, VEC>
             <<<grid.grid(), kThreads, 0, current_stream()>>>(
                 data, args.direction.const_data_ptr<scalar_t>(), n_rows, n_cols,
-                grid.rows_per_group, row_partials.data_ptr<acc_t>());
+                grid.rows_per_group, static_cast<acc_t>(scale), row_partials.data_ptr<acc_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        // Scaling the sum (not every product) is <scale * g[n], direction>, to rounding.
         at::sum_out(args.dots, row_partials, {1});
-        args.dots.mul_(scale);
       });
     });
   }

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace cockpit_fast {
@@ -18,6 +19,28 @@ constexpr int kMaxP = 8;
 // bins than this anyway. Mirrored by MAX_BINS in cockpit_fast/_validation.py.
 constexpr int64_t kMaxBins = int64_t(1) << 24;
 
+inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline const char* accumulation_name(at::ScalarType dtype) {
+  return accumulation_dtype(dtype) == at::kDouble ? "float64" : "float32";
+}
+
+// v as the kernels use it: rounded to the accumulation type of `dtype` (+-inf beyond float32).
+inline double as_accumulated(double v, at::ScalarType dtype) {
+  if (accumulation_dtype(dtype) == at::kDouble || !std::isfinite(v)) return v;
+  if (std::fabs(v) > std::numeric_limits<float>::max()) return std::copysign(INFINITY, v);
+  return static_cast<float>(v);
+}
+
+// scale multiplies every value in the accumulation type; finite in double is not enough.
+inline void check_scale(const char* op, double scale, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(std::isfinite(as_accumulated(scale, dtype)), "cockpit_fast.", op,
+                    ": scale must be finite in ", accumulation_name(dtype),
+                    ", the precision it multiplies in, got ", scale);
+}
+
 inline void check_grad(const char* op, const at::Tensor& g, double scale) {
   TORCH_CHECK_VALUE(g.dim() >= 1, "cockpit_fast.", op,
                     ": g must have a leading batch dimension (N, *param_shape), got a ", g.dim(),
@@ -27,8 +50,7 @@ inline void check_grad(const char* op, const at::Tensor& g, double scale) {
                         dtype == at::kBFloat16,
                     "cockpit_fast.", op, ": g must be float16, bfloat16, float32 or float64, got ",
                     dtype);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "cockpit_fast.", op, ": scale must be finite, got ",
-                    scale);
+  check_scale(op, scale, dtype);
 }
 
 // The two factors (N, p) and (N, q) of per-sample outer products: same N, dtype and device.
@@ -51,8 +73,7 @@ inline void check_factors(const char* op, const at::Tensor& left, const at::Tens
   TORCH_CHECK_VALUE(right.size(0) == left.size(0), "cockpit_fast.", op,
                     ": left and right must have the same number of samples, got ", left.size(0),
                     " and ", right.size(0));
-  TORCH_CHECK_VALUE(std::isfinite(scale), "cockpit_fast.", op, ": scale must be finite, got ",
-                    scale);
+  check_scale(op, scale, left.scalar_type());
 }
 
 // A parameter or direction must match g's per-sample shape, device and dtype.
@@ -77,10 +98,6 @@ inline void check_cells(const char* op, int64_t cells) {
                     " histogram cells, got ", cells);
 }
 
-inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // Whether `bins` bins over (lo, hi) can be computed in T: bounds that stay ordered, a finite
 // span * bins (hist1d's intermediate) and a nonzero bin width (hist2d's divisor).
 template <typename T>
@@ -102,18 +119,20 @@ inline void check_range(const char* op, double lo, double hi, int64_t bins,
   const bool wide = accumulation_dtype(dtype) == at::kDouble;
   TORCH_CHECK_VALUE(wide ? range_fits<double>(lo, hi, bins) : range_fits<float>(lo, hi, bins),
                     "cockpit_fast.", op, ": ", axis, "range (", lo, ", ", hi, ") with ", bins,
-                    " bins overflows or rounds to nothing in ", wide ? "float64" : "float32",
+                    " bins overflows or rounds to nothing in ", accumulation_name(dtype),
                     ", the precision the bins are computed in");
 }
 
-inline void check_p_values(const char* op, const std::vector<double>& p_values) {
+// The powers run in the accumulation type: a p that rounds to 0 or inf there is rejected too.
+inline void check_p_values(const char* op, const std::vector<double>& p_values,
+                           at::ScalarType dtype) {
   TORCH_CHECK_VALUE(p_values.size() <= static_cast<size_t>(kMaxP), "cockpit_fast.", op,
                     ": at most ", kMaxP, " p values per call, got ", p_values.size());
   for (double p : p_values) {
-    TORCH_CHECK_VALUE(std::isfinite(p) && p > 0, "cockpit_fast.", op,
-                      ": p values must be finite and > 0 (use the max_abs column for p = inf), "
-                      "got ",
-                      p);
+    const double used = as_accumulated(p, dtype);
+    TORCH_CHECK_VALUE(std::isfinite(used) && used > 0, "cockpit_fast.", op,
+                      ": p values must be finite and > 0 in ", accumulation_name(dtype),
+                      " (use the max_abs column for p = inf), got ", p);
   }
 }
 

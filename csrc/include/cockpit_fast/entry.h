@@ -83,7 +83,7 @@ struct PerSampleStatsArgs {
 inline PerSampleStatsArgs per_sample_stats_args(const at::Tensor& g, double scale,
                                                 const std::vector<double>& p_values) {
   check_grad("per_sample_stats", g, scale);
-  check_p_values("per_sample_stats", p_values);
+  check_p_values("per_sample_stats", p_values, g.scalar_type());
   at::Tensor rows = as_rows(g);
   const int64_t width = kPowSum0 + static_cast<int64_t>(p_values.size());
   at::Tensor stats = at::zeros({rows.size(0), width}, accumulation_options(g));
