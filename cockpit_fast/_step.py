@@ -23,7 +23,7 @@ from backpack.extensions import BatchGrad
 
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast.factors import GradBatchFactors, WeightFactors
+from cockpit_fast.factors import CheckedBatchGrad, GradBatchFactors, WeightFactors
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed: see :func:`extensions_for`."""
@@ -270,7 +270,7 @@ def extensions_for(statistics, route="auto", user_extensions=()):
     if route == "factors" and unserved:
         raise ValueError(f"per_sample_route='factors' cannot compute {unserved}: use 'auto' or 'grad_batch'")
     if route == "grad_batch" or unserved:
-        return [BatchGrad()]
+        return [CheckedBatchGrad()]
     return [GradBatchFactors(force=route == "factors")]
 
 

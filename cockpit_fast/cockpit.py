@@ -43,8 +43,10 @@ class Cockpit:
             gradient without materialising per-sample gradients (:mod:`cockpit_fast.factors`),
             where those factors are smaller than the gradient and every statistic of the step
             can be served so; else BackPACK's ``grad_batch``. ``"factors"``: factors for every
-            such layer, cheaper or not (a step needing ``grad_batch`` itself raises);
-            ``"grad_batch"``: never. Results agree to rounding.
+            such layer, cheaper or not (a step needing ``grad_batch`` itself, or a grouped
+            convolution, raises); ``"grad_batch"``: never. Results agree to rounding. A Conv2d
+            padded other than by zeros given as numbers always takes factors: BackPACK's
+            ``grad_batch`` is wrong there, and materialising it raises.
         process_group (optional): Under ``torch.distributed``, the processes whose samples form
             the global batch; every quantity is then that of the global batch
             (:mod:`cockpit_fast.distributed`). Defaults to the world group when

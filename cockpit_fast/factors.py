@@ -17,8 +17,9 @@ factors instead, and :class:`WeightFactors` computes each statistic from them:
 Factors pay where they are smaller than the gradient they stand for (:func:`factors_pay`):
 elsewhere (convolutions over many positions with few channels, say) every statistic would form
 per-sample gradients anyway, and BackPACK forms them faster; there :class:`GradBatchFactors`
-hands on BackPACK's ``grad_batch`` unless forced. Biases keep BackPACK's ``grad_batch`` (N x out,
-no bigger than the output gradient itself).
+hands on BackPACK's ``grad_batch`` unless forced, or unless BackPACK would get the layer wrong
+(:func:`batch_grad_is_exact`: a Conv2d padded other than by zeros given as numbers). Biases keep
+BackPACK's ``grad_batch`` (N x out, no bigger than the output gradient itself).
 """
 
 import math
@@ -29,7 +30,7 @@ from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
 from torch.nn import Conv2d, Linear
-from torch.nn.functional import unfold
+from torch.nn.functional import pad, unfold
 
 from cockpit_fast import ops
 from cockpit_fast._validation import accumulation_dtype
@@ -145,14 +146,33 @@ def linear_factors(module, g_out):
 
 def conv2d_factors(module, g_out):
     """:class:`WeightFactors` of a ``Conv2d`` weight: unfolded input, output gradient per position."""
-    a = unfold(module.input0, module.kernel_size, module.dilation, module.padding, module.stride)
+    if batch_grad_is_exact(module):  # zero padding given as numbers: unfold pads
+        a = unfold(module.input0, module.kernel_size, module.dilation, module.padding, module.stride)
+    else:  # pad as the layer does ('same', reflect, ...), then unfold the padded input
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        padded = pad(module.input0, module._reversed_padding_repeated_twice, mode=mode)
+        a = unfold(padded, module.kernel_size, module.dilation, 0, module.stride)
     delta = g_out[0].flatten(2)  # (N, out, positions)
     return WeightFactors(a.transpose(1, 2), delta.transpose(1, 2), module.weight.shape)
 
 
 def conv2d_has_factors(module):
-    """Whether :func:`conv2d_factors` covers the layer: one group, zero padding given as numbers."""
-    return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    """Whether :func:`conv2d_factors` covers the layer: one group (any padding)."""
+    return module.groups == 1
+
+
+def batch_grad_is_exact(module):
+    """Whether BackPACK's ``BatchGrad`` gives a ``Conv2d`` weight's per-sample gradients: it
+    ignores ``padding_mode`` and cannot take padding given as a string ('same', 'valid')."""
+    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def _inexact_batch_grad(module):
+    return ValueError(
+        f"BackPACK's BatchGrad gives wrong per-sample gradients for {module} (it ignores "
+        f"padding_mode={module.padding_mode!r} and padding given as a string): use "
+        "per_sample_route='auto' or 'factors', which pad as the layer does"
+    )
 
 
 class _WeightFactorsWherePaying:
@@ -166,7 +186,12 @@ class _WeightFactorsWherePaying:
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         sizes = self.factor_sizes(module, g_out)
-        if sizes is not None and (self._force or factors_pay(*sizes)):
+        if sizes is None and self._force:
+            raise ValueError(
+                f"per_sample_route='factors': {module} has no factored form (grouped convolution); "
+                "use 'auto' or 'grad_batch'"
+            )
+        if sizes is not None and (self._force or not self.batch_grad_is_exact(module) or factors_pay(*sizes)):
             return self.factors(module, g_out)
         return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
 
@@ -177,6 +202,7 @@ class _LinearWeightFactors(_WeightFactorsWherePaying, BatchGradLinear):
         return math.prod(module.input0.shape[1:-1]), module.out_features, module.in_features
 
     factors = staticmethod(linear_factors)
+    batch_grad_is_exact = staticmethod(lambda module: True)
 
 
 class _Conv2dWeightFactors(_WeightFactorsWherePaying, BatchGradConv2d):
@@ -187,6 +213,25 @@ class _Conv2dWeightFactors(_WeightFactorsWherePaying, BatchGradConv2d):
         return math.prod(g_out[0].shape[2:]), module.out_channels, module.weight[0].numel()
 
     factors = staticmethod(conv2d_factors)
+    batch_grad_is_exact = staticmethod(batch_grad_is_exact)
+
+
+class _CheckedConv2d(BatchGradConv2d):
+    """BackPACK's Conv2d BatchGrad, refusing the layers it would get wrong."""
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        if not batch_grad_is_exact(module):
+            raise _inexact_batch_grad(module)
+        return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
+
+
+class CheckedBatchGrad(BatchGrad):
+    """BackPACK's ``BatchGrad`` (savefield ``grad_batch``), with a clear error for the Conv2d
+    layers whose per-sample weight gradients it would get wrong (:func:`batch_grad_is_exact`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.set_module_extension(Conv2d, _CheckedConv2d(), overwrite=True)
 
 
 class GradBatchFactors(BatchGrad):

@@ -1,6 +1,8 @@
 """TIC, CABS, early stopping, Hessian max eigenvalue and the preset configurations vs Cockpit 1.0.2."""
 
 import pytest
+import torch
+from backpack import extend
 
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
@@ -67,3 +69,22 @@ def test_configuration_matches_cockpit(model_name, label):
 
     expected, actual = side_by_side(make, model_name, steps=3)
     assert_same_output(actual, expected, rtol=1e-3, atol=1e-5, max_count_diff=3)
+
+
+def test_hess_max_ev_of_a_float64_model_is_the_hessians_largest_eigenvalue():
+    torch.manual_seed(0)
+    model, loss_fn = extend(torch.nn.Linear(3, 2).double()), extend(torch.nn.CrossEntropyLoss())
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    cp = FastCockpit(model.parameters(), quantities=[fast_quantities.HessMaxEV(fast_schedules.linear(1))])
+    loss = loss_fn(model(x), y)
+    with cp(0, info={"loss": loss, "batch_size": 6}):
+        loss.backward(create_graph=cp.create_graph(0))
+    weight, bias = model.weight.detach(), model.bias.detach()
+
+    def loss_of(flat):
+        w, b = flat[:6].reshape(2, 3), flat[6:]
+        return torch.nn.functional.cross_entropy(x @ w.T + b, y)
+
+    hessian = torch.autograd.functional.hessian(loss_of, torch.cat([weight.flatten(), bias]))
+    largest = torch.linalg.eigvalsh(hessian).max().item()
+    assert cp.get_output()[0]["HessMaxEV"] == pytest.approx(largest, rel=1e-3)

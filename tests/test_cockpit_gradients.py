@@ -97,13 +97,13 @@ def test_route_choice():
     from backpack.extensions import BatchGrad
 
     from cockpit_fast._step import BATCH_L2, GRAD_BATCH, Hist1d, extensions_for
-    from cockpit_fast.factors import GradBatchFactors
+    from cockpit_fast.factors import CheckedBatchGrad, GradBatchFactors
 
     served = {BATCH_L2, Hist1d(3, (-1, 1))}
     assert [type(e) for e in extensions_for(served)] == [GradBatchFactors]
     assert [type(e) for e in extensions_for(served, "factors")] == [GradBatchFactors]
-    assert [type(e) for e in extensions_for(served, "grad_batch")] == [BatchGrad]
-    assert [type(e) for e in extensions_for(served | {GRAD_BATCH})] == [BatchGrad]
+    assert [type(e) for e in extensions_for(served, "grad_batch")] == [CheckedBatchGrad]
+    assert [type(e) for e in extensions_for(served | {GRAD_BATCH})] == [CheckedBatchGrad]
     with pytest.raises(ValueError, match=r"per_sample_route='factors' cannot compute \['grad_batch'\]"):
         extensions_for(served | {GRAD_BATCH}, "factors")
     with pytest.raises(ValueError, match="per_sample_route must be one of"):

@@ -6,6 +6,7 @@ from backpack import backpack, extend
 from backpack.extensions import BatchGrad
 
 from cockpit_fast import factors
+from cockpit_fast.factors import CheckedBatchGrad
 from cockpit_fast._step import (
     BATCH_L2,
     DOT_MEAN_GRAD,
@@ -32,8 +33,28 @@ LAYERS = {
     "conv_strided": (lambda: torch.nn.Conv2d(3, 4, (3, 2), stride=2, padding=1, dilation=(2, 1)), (3, 9, 8)),
     "conv_groups": (lambda: torch.nn.Conv2d(4, 6, 3, groups=2), (4, 6, 6)),
     "conv_same": (lambda: torch.nn.Conv2d(3, 4, 3, padding="same"), (3, 5, 5)),
+    "conv_same_even": (lambda: torch.nn.Conv2d(3, 4, (2, 4), padding="same", dilation=(1, 2)), (3, 6, 7)),
+    "conv_valid": (lambda: torch.nn.Conv2d(3, 4, 3, padding="valid"), (3, 5, 6)),
+    "conv_reflect": (lambda: torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 5, 6)),
+    "conv_circular": (lambda: torch.nn.Conv2d(3, 4, 3, stride=2, padding=(1, 2), padding_mode="circular"), (3, 7, 6)),
+    "conv_replicate": (lambda: torch.nn.Conv2d(3, 4, 2, padding=1, padding_mode="replicate", bias=False), (3, 5, 5)),
 }
-COVERED = {"linear", "linear_no_bias", "linear_short_sequence", "linear_long_sequence", "conv", "conv_strided"}
+COVERED = set(LAYERS) - {"conv_groups"}
+
+
+def materialising_twin(layer, inputs):
+    """A layer BackPACK's BatchGrad gets right, with the same per-sample gradients: for a Conv2d
+    padded as BackPACK cannot ('same', reflect, ...), a copy without padding fed the input
+    padded the way torch's Conv2d pads it."""
+    if not isinstance(layer, torch.nn.Conv2d) or factors.batch_grad_is_exact(layer):
+        return layer, inputs
+    twin = torch.nn.Conv2d(
+        layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, 0, layer.dilation,
+        bias=layer.bias is not None,
+    ).to(layer.weight.dtype)
+    twin.load_state_dict(layer.state_dict())
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    return extend(twin), torch.nn.functional.pad(inputs, layer._reversed_padding_repeated_twice, mode=mode)
 
 
 def statistics_on(layer, inputs, extension, requests):
@@ -76,16 +97,18 @@ def test_factor_route_equals_materialised_route(layer_name, dtype, n, monkeypatc
     layer = extend(make().to(dtype))
     inputs = torch.randn(n, *input_shape, dtype=dtype)
     params = list(layer.parameters())
+    twin, twin_inputs = materialising_twin(layer, inputs)
 
     with backpack(BatchGrad()):
-        (layer(inputs) ** 2).mean(0).sum().backward()
-    grad_batches = [p.grad_batch.clone() for p in params]
-    for p in params:
+        (twin(twin_inputs) ** 2).mean(0).sum().backward()
+    grad_batches = [p.grad_batch.clone() for p in twin.parameters()]
+    for p in twin.parameters():
         del p.grad_batch
     requests = requests_for(grad_batches, params)
 
-    materialised, _ = statistics_on(layer, inputs, BatchGrad(), requests)
-    factored, sources = statistics_on(layer, inputs, factors.GradBatchFactors(force=True), requests)
+    materialised, _ = statistics_on(twin, twin_inputs, BatchGrad(), requests)
+    # Forced where the layer has factors (forcing them elsewhere is an error, tested below).
+    factored, sources = statistics_on(layer, inputs, factors.GradBatchFactors(force=layer_name in COVERED), requests)
     assert (factors.WeightFactors in sources) == (layer_name in COVERED)
 
     rtol = 1e-5 if dtype == torch.float32 else 1e-10
@@ -147,3 +170,31 @@ def test_factors_only_where_they_pay_unless_forced(make, input_shape, factored):
     assert (chosen[0] is factors.WeightFactors) == factored
     assert forced[0] is factors.WeightFactors
     assert chosen[1] is not factors.WeightFactors  # the bias keeps its grad_batch
+
+
+@pytest.mark.parametrize("layer_name", ["conv_same", "conv_same_even", "conv_reflect", "conv_circular", "conv_replicate"])
+def test_padded_convolutions_per_sample_gradients_sum_to_the_gradient(layer_name):
+    # Independent of BackPACK: the factors' per-sample gradients add up to autograd's gradient.
+    make, input_shape = LAYERS[layer_name]
+    torch.manual_seed(0)
+    layer = extend(make().double())
+    with backpack(factors.GradBatchFactors()):  # 'auto' too takes factors where BatchGrad errs
+        (layer(torch.randn(5, *input_shape, dtype=torch.float64)) ** 2).mean(0).sum().backward()
+    weight_factors = layer.weight.grad_batch_factors
+    assert isinstance(weight_factors, factors.WeightFactors)
+    torch.testing.assert_close(torch.cat(list(weight_factors.chunks())).sum(0), layer.weight.grad)
+
+
+@pytest.mark.parametrize("layer_name", ["conv_same", "conv_reflect"])
+def test_materialising_such_a_convolution_is_a_clear_error(layer_name):
+    make, input_shape = LAYERS[layer_name]
+    layer = extend(make())
+    with pytest.raises(ValueError, match="BackPACK's BatchGrad gives wrong per-sample gradients .* use per_sample_route='auto'"):
+        statistics_on(layer, torch.randn(2, *input_shape), CheckedBatchGrad(), [BATCH_L2])
+
+
+def test_forcing_factors_on_a_grouped_convolution_is_a_clear_error():
+    make, input_shape = LAYERS["conv_groups"]
+    layer = extend(make())
+    with pytest.raises(ValueError, match="per_sample_route='factors': .* has no factored form"):
+        statistics_on(layer, torch.randn(2, *input_shape), factors.GradBatchFactors(force=True), [BATCH_L2])

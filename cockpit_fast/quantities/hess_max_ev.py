@@ -56,7 +56,7 @@ class HessMaxEV(Quantity):
             return [v / norm for v in vectors]
 
         vectors = normalized(start)
-        eigenvalue = torch.tensor([float("inf")], device=start[0].device)
+        eigenvalue = torch.tensor([float("inf")], dtype=start[0].dtype, device=start[0].device)
         for _ in range(self.MAX_ITERATIONS):
             products = hvp(vectors)
             estimate = sum((v * hv).sum() for v, hv in zip(vectors, products))
