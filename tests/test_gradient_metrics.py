@@ -114,6 +114,9 @@ def make_metrics(module, mix, targets):
                 module.MeanStd(all_, grad_transform=normalised),
                 module.Min(first, grad_transform=centred), module.Mean(last, grad_transform=centred),
                 module.PNorm(first, grad_transform=normalised, p=3.5)]
+    if mix == "repeated":  # one metric instance listed twice is fed every gradient twice
+        std, pnorm = module.MeanStd(all_), module.PNorm(first, p=3)
+        return [std, module.Max(last), std, pnorm, pnorm]
     raise AssertionError(mix)
 
 
@@ -148,7 +151,7 @@ def fallback_warnings(caught):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mix", ["all_kinds", "pnorms", "std_only", "transforms"])
+@pytest.mark.parametrize("mix", ["all_kinds", "pnorms", "std_only", "transforms", "repeated"])
 @pytest.mark.parametrize("setup_name", ["mlp", "cnn", "mixed", "coupled", "batch_centred", "sequence"])
 def test_same_values_as_gradient_metrics(setup_name, mix, dtype, monkeypatch):
     monkeypatch.setattr(per_sample, "_warned", set())
@@ -212,6 +215,36 @@ def test_transform_vmap_cannot_batch_runs_sample_by_sample(monkeypatch):
             warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's notice: tested below
             outputs.append(collector_class(metrics)(setup.forward()))
     assert_matches(outputs[1], outputs[0], torch.float64)
+
+
+def test_transform_with_outputs_of_different_lengths_runs_sample_by_sample(monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+
+    def large_entries(g):  # how many entries pass depends on the sample
+        return g[g.abs() > 0.05]
+
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float64)
+        metrics = [module.PNorm(setup.model, grad_transform=large_entries), module.Max(setup.model)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs.append(collector_class(metrics)(setup.forward()))
+    assert any("different shapes" in message for message in fallback_warnings(caught))
+    assert_matches(outputs[1], outputs[0], torch.float64)
+
+
+def test_large_p_norms_of_factored_gradients_do_not_overflow():
+    # 255^16 summed over inputs overflows float32, the per-sample gradient's 16th powers do not.
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        torch.manual_seed(0)
+        layer = nn.Linear(784, 10)
+        x, labels = torch.randint(0, 256, (4, 784)).float(), torch.randint(0, 10, (4,))
+        loss = nn.functional.cross_entropy(layer(x), labels, reduction="none") / 100
+        outputs.append(collector_class([module.PNorm(layer.weight, p=16)])(loss))
+    assert outputs[1].isfinite().all()
+    assert_matches(outputs[1], outputs[0], torch.float32)
 
 
 def test_transform_vmap_cannot_batch_warns_why(monkeypatch):

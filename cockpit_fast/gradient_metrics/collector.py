@@ -11,7 +11,7 @@ how it collects get their per-sample gradients one sample at a time; and a batch
 that fails falls back to one backward pass per sample, as in the original.
 """
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -55,6 +55,8 @@ class GradientMetricCollector:
                 f"a list of 'GradientMetric' instances. Found '{type(metrics)}'"
             )
         self._metrics = [metrics] if isinstance(metrics, GradientMetric) else metrics
+        # A metric listed k times is fed every gradient k times, as the original does.
+        self._copies = Counter(id(m) for m in self._metrics)
         # Each target once; tensors hash by identity.
         self._params = list(dict.fromkeys(p for m in self._metrics for p in m.target_parameters))
 
@@ -95,14 +97,19 @@ class GradientMetricCollector:
         batch_stats = _BatchStats(grads, [m for m in self._metrics if m._serves_batches()])
         blocks = []
         for metric in self._metrics:
+            copies = self._copies[id(metric)]
             if metric._serves_batches():
-                blocks.append(batch_stats.metric_rows(metric, loss.shape[0]))
+                try:
+                    blocks.append(batch_stats.metric_rows(metric, loss.shape[0], copies))
+                    continue
+                except _RaggedTransform as ragged:
+                    warn_once(f"GradientMetricCollector: {ragged}, so its metric is fed one sample at a time")
             else:
                 warn_once(
                     f"GradientMetricCollector: {type(metric).__name__} overrides how it collects "
                     "gradients and has no batched formula, so it is fed one sample at a time"
                 )
-                blocks.append(_feed_sample_by_sample(metric, grads, loss.shape[0]))
+            blocks.append(_feed_sample_by_sample(metric, grads, loss.shape[0], copies))
         return torch.cat(blocks, dim=1)
 
     def _one_backward_per_sample(self, loss, retain_graph):
@@ -112,7 +119,7 @@ class GradientMetricCollector:
             last = n == loss.shape[0] - 1
             grads = torch.autograd.grad(sample_loss, self._params, retain_graph=retain_graph or not last)
             sample_grads = {id(p): g for p, g in zip(self._params, grads)}
-            rows.append(torch.cat([_read_one_sample(m, sample_grads) for m in self._metrics]))
+            rows.append(torch.cat([_read_one_sample(m, sample_grads, self._copies[id(m)]) for m in self._metrics]))
         return torch.stack(rows)
 
     def reset(self):
@@ -131,22 +138,27 @@ class GradientMetricCollector:
         return self.data.shape[0]
 
 
-def _read_one_sample(metric, sample_grads):
-    """Feeds a metric one sample's gradients (``id(param)`` to tensor); returns its values, reset."""
-    for param in metric.target_parameters:
+def _read_one_sample(metric, sample_grads, copies):
+    """Feeds a metric one sample's gradients (``id(param)`` to tensor), each ``copies`` times;
+    returns its values, reset."""
+    for param in list(metric.target_parameters) * copies:
         metric(sample_grads[id(param)])
     values = metric.data
     metric.reset()
     return values
 
 
-def _feed_sample_by_sample(metric, grads, n):
+def _feed_sample_by_sample(metric, grads, n, copies):
     """Per-sample values of a metric that must see each sample's gradients itself."""
     rows = []
     for i in range(n):
         sample_grads = {id(p): grads[id(p)].dense()[i] for p in metric.target_parameters}
-        rows.append(_read_one_sample(metric, sample_grads))
+        rows.append(_read_one_sample(metric, sample_grads, copies))
     return torch.stack(rows)
+
+
+class _RaggedTransform(Exception):
+    """A grad_transform gave samples outputs of different shapes: no (N, D) batch to reduce."""
 
 
 class _BatchStats:
@@ -174,15 +186,17 @@ class _BatchStats:
         # ids: comparing tensors with == would compare their values.
         return id(param), id(metric.grad_transform)
 
-    def metric_rows(self, metric, n):
-        """The metric's values for every sample: shape (N, dim), in the original's dtype."""
+    def metric_rows(self, metric, n, copies=1):
+        """The metric's values for every sample: shape (N, dim), in the original's dtype; each
+        gradient counted ``copies`` times (the metric is listed that often)."""
         if not metric.target_parameters:  # nothing to collect: the reset values, for every sample
             return metric.data.expand(n, -1)
+        params = list(metric.target_parameters) * copies
         # Metrics over the same parameters, transform and p values share one merge.
-        key = (tuple(self._pair(metric, param) for param in metric.target_parameters), tuple(metric._stats_p_values()))
+        key = (tuple(self._pair(metric, param) for param in params), tuple(metric._stats_p_values()))
         if key not in self._merged:
             parts, dtype = [], torch.get_default_dtype()
-            for param in metric.target_parameters:
+            for param in params:
                 rows, count, grad_dtype = self._stats(metric, param)
                 p_columns = [columns.P0 + list(self._p_values[self._pair(metric, param)]).index(p)
                              for p in metric._stats_p_values()]
@@ -214,4 +228,7 @@ def _transform_each(transform, grads):
             f"GradientMetricCollector: grad_transform {name} cannot be batched with torch.vmap "
             f"({type(error).__name__}: {error}); applying it one sample at a time"
         )
-        return torch.stack([transform(g) for g in grads])
+        outputs = [transform(g) for g in grads]
+        if len({out.shape for out in outputs}) > 1:
+            raise _RaggedTransform(f"grad_transform {name} gives samples outputs of different shapes") from None
+        return torch.stack(outputs)

@@ -26,7 +26,7 @@ from torch.autograd.graph import GradientEdge
 
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast._validation import MAX_P_VALUES
+from cockpit_fast._validation import MAX_P_VALUES, accumulation_dtype
 
 _warned = set()
 
@@ -244,9 +244,12 @@ def per_sample_stats(grad, p_values):
     if grad.factors is None:
         return _stats_in_groups(grad.dense(), p_values)
     delta, a = grad.factors
-    return _outer_product_stats(
-        _stats_in_groups(delta, p_values), delta.shape[1], _stats_in_groups(a, p_values), a.shape[1]
+    # In float64: each factor's p-th powers can overflow or vanish in float32 where the
+    # products' (the outer product's values') do not.
+    wide = _outer_product_stats(
+        _stats_in_groups(delta.double(), p_values), delta.shape[1], _stats_in_groups(a.double(), p_values), a.shape[1]
     )
+    return wide.to(accumulation_dtype(delta.dtype))
 
 
 def _stats_in_groups(g, p_values):
