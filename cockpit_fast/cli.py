@@ -102,18 +102,29 @@ def run_plot(args, parser):
         parser.error(f"no such log file: {args.log}")
     output = args.output or os.path.splitext(args.log)[0] + ".png"
     image_format = os.path.splitext(output)[1].lstrip(".").lower() or "png"
+    from matplotlib.figure import Figure
+
     from cockpit_fast.plotter import CockpitPlotter
 
+    # Checked before the dashboard is drawn, not after.
+    if image_format not in Figure().canvas.get_supported_filetypes():
+        parser.error(f"cannot save a dashboard as .{image_format}: use one of {sorted(Figure().canvas.get_supported_filetypes())}")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    except OSError as error:
+        parser.error(f"cannot write {output}: {error}")
     # The plotter saves as <savedir>/<savename>__primary.<format>: save in a scratch folder, then move.
     with tempfile.TemporaryDirectory() as scratch:
-        CockpitPlotter().plot(
-            args.log,
-            show_plot=False,
-            save_plot=True,
-            savedir=scratch,
-            savefig_kwargs={"format": image_format},
-        )
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        try:
+            CockpitPlotter().plot(
+                args.log,
+                show_plot=False,
+                save_plot=True,
+                savedir=scratch,
+                savefig_kwargs={"format": image_format},
+            )
+        except (ValueError, TypeError, AttributeError, KeyError) as error:  # json's errors are ValueErrors
+            parser.error(f"cannot read the log {args.log}: {error}")
         shutil.move(os.path.join(scratch, f"cockpit__primary.{image_format}"), output)
     print(f"Dashboard saved in {output}")
     return 0

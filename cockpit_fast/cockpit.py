@@ -61,6 +61,11 @@ class Cockpit:
     BACKPACK_CONV_SAVE_MEMORY = True
     """Let BackPACK use its memory-saving Jacobian products for convolution weights."""
 
+    CPU_OUTPUT_EVERY = 32
+    """Tracked steps after which values of parameters on the CPU are converted to output (floats,
+    arrays): a value kept as a tensor costs far more memory, and on the CPU reading it waits on
+    nothing. On a GPU values stay on the device until output is read (no synchronisation)."""
+
     def __init__(self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False):
         self.params = list(params)
         self.process_group = resolve_group(process_group)
@@ -76,6 +81,7 @@ class Cockpit:
             self.add(q)
         self.output = defaultdict(dict)
         self._nan_loss = _NanLossWatch()
+        self._steps_since_output = 0
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -119,13 +125,18 @@ class Cockpit:
         if ctx.has_info("loss"):
             self._nan_loss.observe(ctx.global_step, ctx.loss(self))
         late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
-        for q in self.quantities:
-            if not q.RUNS_AFTER_CLEANUP:
-                q.track(ctx)
-        self._free(buffers)
+        try:
+            for q in self.quantities:
+                if not q.RUNS_AFTER_CLEANUP:
+                    q.track(ctx)
+        finally:  # a quantity that raises must not leave BackPACK's buffers behind
+            self._free(buffers)
         with disable():
             for q in late:
                 q.track(ctx)
+        self._steps_since_output += 1
+        if self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
+            self.get_output()
 
     def _free(self, buffers):
         """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters."""
@@ -162,6 +173,7 @@ class Cockpit:
     def get_output(self):
         """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded."""
         self._nan_loss.report()
+        self._steps_since_output = 0
         for q in self.quantities:
             name = type(q).__name__
             for step, value in q.get_output().items():

@@ -283,7 +283,8 @@ def run(steps, epochs, batch_size, device, config, seed, out, track_every):
         track_every (int): Track the quantities every this many steps.
 
     Raises:
-        UsageError: If a batch is larger than the training set.
+        UsageError: If a batch is larger than the training set or smaller than 2, or ``out``
+            cannot be written.
     """
     from cockpit_fast.plotter import CockpitPlotter
 
@@ -291,6 +292,12 @@ def run(steps, epochs, batch_size, device, config, seed, out, track_every):
     train_images, train_labels, *valid_set = load_digits_split(seed, device)
     if batch_size > len(train_labels):
         raise UsageError(f"--batch-size {batch_size} is larger than the {len(train_labels)} training images")
+    if batch_size < 2:
+        raise UsageError("--batch-size must be at least 2: the gradient tests estimate variances over the samples")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot write the run folder {out}: {error}") from None
     total_steps = step_count(len(train_labels), batch_size, epochs, steps)
     print(
         f"Digits: {len(train_labels)} training / {len(valid_set[1])} validation images, "

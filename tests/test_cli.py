@@ -157,6 +157,37 @@ def test_plot_redraws_a_log_written_by_cockpit(tmp_path):
     assert image_pixels(output) == DASHBOARD_PIXELS
 
 
+def test_plot_of_a_log_without_the_json_suffix(tmp_path):
+    write_cockpit_log(tmp_path / "cockpit_run")
+    os.rename(tmp_path / "cockpit_run.json", tmp_path / "run.log")
+    output = tmp_path / "dashboard.png"
+    process = run_module("plot", str(tmp_path / "run.log"), "-o", str(output))
+    assert process.returncode == 0, process.stderr
+    assert image_pixels(output) == DASHBOARD_PIXELS
+
+
+@pytest.mark.parametrize("content", ["{bad", "[1, 2]", '{"a": 1}'], ids=["not json", "a list", "not per step"])
+def test_plot_of_a_bad_log_is_a_one_line_error(tmp_path, capsys, content):
+    log = tmp_path / "bad.json"
+    log.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plot", str(log)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read the log" in err[0]
+
+
+def test_plot_to_an_unknown_format_fails_before_drawing(tmp_path, capsys, monkeypatch):
+    write_cockpit_log(tmp_path / "cockpit_run")
+    from cockpit_fast import plotter
+
+    monkeypatch.setattr(plotter.CockpitPlotter, "plot", lambda *a, **k: pytest.fail("drew the dashboard"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plot", str(tmp_path / "cockpit_run.json"), "-o", str(tmp_path / "x.xyz")])
+    assert exit_info.value.code == 2
+    assert "cannot save a dashboard as .xyz" in capsys.readouterr().err
+
+
 def test_info_names_versions_extension_and_device(capsys):
     assert cli.main(["info"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -199,6 +230,8 @@ BAD_ARGUMENTS = [
     ["demo", "--batch-size", "-4"],
     ["demo", "--epochs", "1.5"],
     ["demo", "--batch-size", "100000"],
+    ["demo", "--batch-size", "1"],
+    ["demo", "--out", "/dev/null/run"],
     ["demo", "--track-every", "0"],
     ["demo", "--config", "first-class"],
     ["demo", "--device", "tpu"],

@@ -265,6 +265,35 @@ def test_memory_stays_flat_over_many_steps():
     assert len(alpha._starts._entries) == 1 and len(update_size._start._entries) == 1
 
 
+def test_values_on_the_cpu_become_output_as_the_run_goes(monkeypatch):
+    """Few values wait as tensors (memory), and converting them early changes nothing."""
+    make = lambda: [fast_quantities.GradNorm(fast_schedules.linear(1)), fast_quantities.Alpha(fast_schedules.linear(1))]  # noqa: E731
+    expected, _ = train(FastCockpit, make, "mlp", steps=9)
+    from cockpit_fast.quantities.quantity import Quantity
+
+    waiting, store = [], Quantity._store
+    monkeypatch.setattr(Quantity, "_store", lambda self, *args: (store(self, *args), waiting.append(len(self._pending))))
+    monkeypatch.setattr(FastCockpit, "CPU_OUTPUT_EVERY", 4)
+    actual, _ = train(FastCockpit, make, "mlp", steps=9)
+    assert max(waiting) == 4 and actual == expected
+
+
+def test_a_quantity_that_raises_leaves_no_buffers_behind():
+    from cockpit_fast.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)))
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cp = FastCockpit(model.parameters(), quantities=configuration("full"))
+    loss = loss_fn(model(torch.randn(4, 5)), torch.randint(0, 3, (4,)))
+    with pytest.raises(KeyError, match="individual_losses"):  # Alpha needs them: no 'info' entry
+        with cp(0, info={"loss": loss, "batch_size": 4, "optimizer": opt}):
+            loss.backward(create_graph=cp.create_graph(0))
+    buffers = ("diag_h", "diag_ggn_exact", "diag_ggn_mc", "grad_batch", "grad_batch_factors", "sum_grad_squared")
+    assert not [(name, b) for name, p in model.named_parameters() for b in buffers if hasattr(p, b)]
+
+
 def _nan_loss_warnings(cockpit_cls, q, s):
     """Warnings of 2 tracked steps of NormTest (which does not read the loss) with a NaN loss."""
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ def read_output(source):
         return source.get_output()
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not (path.endswith(".json") and os.path.isfile(path)):
+        if not os.path.isfile(path):  # Cockpit.write(logpath) wrote logpath + ".json"
             path += ".json"
         with open(path) as log_file:
             return json.load(log_file, object_hook=_decode_numpy)
@@ -60,6 +60,8 @@ class TrackingLog:
     """
 
     def __init__(self, output):
+        if not isinstance(output, dict) or not all(isinstance(v, dict) for v in output.values()):
+            raise ValueError("a cockpit log is a JSON object of objects ({step: {quantity: value}})")
         output = dict(output)
         if all(_step_number(key) is not None for key in output):
             records = {_step_number(step): dict(values) for step, values in output.items()}
