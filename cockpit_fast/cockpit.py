@@ -114,7 +114,7 @@ class Cockpit:
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
         # A step combines the processes' batches where some quantity reads them.
-        reduces = any(q.READS_BATCH and q.should_compute(global_step) for q in self.quantities)
+        reduces = any(q.reads_batch(global_step) for q in self.quantities)
         group = self.process_group if reduces else None
         return _TrackedBackward(self, StepContext(global_step, self.params, info, group), exts, debug)
 

@@ -97,9 +97,10 @@ def reduce_step(ctx, curvature_names=()):
     has_loss, has_losses = ctx.has_info("loss"), ctx.has_info("individual_losses")
     results = ctx.results()
 
-    # 1. Batch sizes, and a checksum of the layout every buffer below has: ranks that track
-    # different things would otherwise exchange misaligned numbers.
+    # 1. Batch sizes, and a checksum of the step and of the layout every buffer below has: ranks
+    # that track different things, or different steps, would otherwise exchange misaligned numbers.
     layout = [
+        ctx.global_step,
         [(repr(s), sorted(results.get(s, {}))) for s in statistics],
         curvature_names,
         [tuple(p.shape) for p in params],
@@ -109,7 +110,10 @@ def reduce_step(ctx, curvature_names=()):
     mine = torch.tensor([local_n, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=params[0].device)
     every = _all_gather(mine, group).tolist()
     if len({checksum for _, checksum in every}) != 1:
-        raise ValueError("the processes track different quantities or parameters at this step: every rank must track the same")
+        raise ValueError(
+            "the processes track different quantities or parameters at this step, or different steps: "
+            "every rank must track the same, with the same global_step"
+        )
     sizes = [n for n, _ in every]
     global_n = sum(sizes)
     ctx.rank_sizes, ctx.rank_share = sizes, local_n / global_n

@@ -52,6 +52,10 @@ QUANTITY_SETS = {
     "hessian_max_ev": lambda: [q.HessMaxEV(schedules.linear(1))],
     "alpha_adam": lambda: [q.Alpha(schedules.linear(1))],
     "time_only": lambda: [q.Time(schedules.linear(1))],
+    # The range adapts on steps without a histogram: those steps read the batch all the same.
+    "adapt_off_schedule": lambda: [
+        q.GradHist1d(schedules.linear(3), bins=9, adapt=q.GradAbsMax(schedules.linear(2), padding=0.1))
+    ],
 }
 
 
@@ -68,6 +72,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     config keys: model, quantities (a QUANTITY_SETS key), steps, route, optimizer, sync
     ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
     fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
+    step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
     log_all_ranks, plot (save the dashboard too). Logs and plots go to ``out``, a folder of this
     rank's own.
     """
@@ -109,8 +114,9 @@ def train(config, rank=0, rank_sizes=None, out=None):
         loss = loss_fn(outputs, labels)
         info = {"batch_size": local_n, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss}
         info["optimizer"] = opt
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        tracked = step + (config.get("step_offset_on_rank1", 0) if rank == 1 else 0)
+        with cockpit(tracked, info=info):
+            loss.backward(create_graph=cockpit.create_graph(tracked))
         if distributed and config.get("sync") == "manual":
             for p in params:
                 p.grad = p.grad.detach() * (local_n / global_n)

@@ -61,6 +61,14 @@ def test_every_quantity_equals_one_process_on_the_global_batch(model, rank_sizes
     assert hist.sum() == sum(rank_sizes) * n_params
 
 
+def test_bin_adaptation_off_the_histogram_schedule_uses_the_global_batch(tmp_path):
+    config = {"model": "mlp", "quantities": "adapt_off_schedule", "steps": 5, "route": "auto"}
+    expected = _one_process(config, 5)
+    for rank, result in enumerate(run_group([2, 3], config, tmp_path)):
+        assert sorted(result["output"]) == [0, 3] == sorted(expected)
+        assert_same_output(result["output"], expected, max_count_diff=EDGE_COUNTS, path=f"rank {rank}")
+
+
 def test_per_sample_values_cover_the_global_batch(tmp_path):
     """NormTest reads every sample's norm: a rank's own samples alone would give another value."""
     config = {"model": "mlp", "quantities": "every", "steps": 1}
@@ -112,6 +120,13 @@ def test_a_rank_that_raises_fails_the_group_fast(tmp_path):
 def test_ranks_tracking_different_quantities_are_told(tmp_path):
     config = {"model": "mlp", "quantities": "every", "steps": 1, "quantities_on_rank1": "alpha_adam"}
     with pytest.raises(Exception, match="every rank must track the same"):
+        run_group([2, 2], config, tmp_path)
+
+
+def test_ranks_on_different_steps_are_told(tmp_path):
+    # Without DDP nothing else would pair the ranks' steps: step 0 would meet step 1.
+    config = {"model": "mlp", "quantities": "every", "steps": 1, "sync": "none", "step_offset_on_rank1": 1}
+    with pytest.raises(Exception, match="or different steps: every rank must track the same"):
         run_group([2, 2], config, tmp_path)
 
 

@@ -38,6 +38,9 @@ class GradHist1d(Quantity):
     def extensions(self, global_step):
         return self._adapt.extensions(global_step)
 
+    def reads_batch(self, global_step):  # adapting the range reads the batch too
+        return super().reads_batch(global_step) or self._adapt.should_compute(global_step)
+
     def track(self, ctx):
         super().track(ctx)
         if self._adapt.should_compute(ctx.global_step):

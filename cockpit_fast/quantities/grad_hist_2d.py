@@ -54,6 +54,9 @@ class GradHist2d(Quantity):
     def extensions(self, global_step):
         return [e for adapt in self._adapt for e in adapt.extensions(global_step)]
 
+    def reads_batch(self, global_step):  # adapting a range reads the batch too
+        return super().reads_batch(global_step) or any(a.should_compute(global_step) for a in self._adapt)
+
     def track(self, ctx):
         super().track(ctx)
         for axis, adapt in enumerate(self._adapt):

@@ -34,6 +34,10 @@ class Quantity:
         """Whether this quantity does any work at ``global_step``."""
         return self._track_schedule(global_step)
 
+    def reads_batch(self, global_step):
+        """Whether it reads the mini-batch at ``global_step`` (see :attr:`READS_BATCH`)."""
+        return self.READS_BATCH and self.should_compute(global_step)
+
     def create_graph(self, global_step):
         """Whether the backward pass must keep the graph (for higher derivatives)."""
         return False
