@@ -301,6 +301,7 @@ class StepContext:
         self.local_batch_size = None  # samples of this rank, as the hook saw them
         self.local_grads = {}  # index -> this rank's gradient (distributed only)
         self.deferred = {}  # index -> (param, source) of statistics waiting for the global gradient
+        self.extended_params = []  # every parameter BackPACK's hook visited, tracked or not
         self._global_grads = None
         self._grad_l2_squared = None
         self._curvatures = {}
@@ -427,8 +428,9 @@ class StatisticsHook:
             if id(param) in self._visited or not param.requires_grad:
                 continue
             self._visited.add(id(param))
+            self._ctx.extended_params.append(param)
             index = self._ctx.index_of(param)
-            if index is not None:
+            if index is not None and self._ctx.requests:
                 self._collect(index, param)
             for name in self._delete_fields:
                 if hasattr(param, name):

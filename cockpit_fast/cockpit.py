@@ -130,7 +130,7 @@ class Cockpit:
                 if not q.RUNS_AFTER_CLEANUP:
                     q.track(ctx)
         finally:  # a quantity that raises must not leave BackPACK's buffers behind
-            self._free(buffers)
+            self._free(buffers, ctx)
         with disable():
             for q in late:
                 q.track(ctx)
@@ -138,9 +138,10 @@ class Cockpit:
         if self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
             self.get_output()
 
-    def _free(self, buffers):
-        """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters."""
-        for p in self.params:
+    def _free(self, buffers, ctx):
+        """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters: the tracked
+        ones and every other one BackPACK filled (a cockpit may track part of a model)."""
+        for p in [*self.params, *ctx.extended_params]:
             for name in buffers:
                 if hasattr(p, name):
                     delattr(p, name)
@@ -267,7 +268,7 @@ class _TrackedBackward:
         kept = {e.savefield for e in user_exts}
         # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.
         self._buffers = {e.savefield for e in extensions} - kept
-        hook = StatisticsHook(ctx, self._buffers & STATISTIC_SOURCES) if ctx.requests else None
+        hook = StatisticsHook(ctx, self._buffers & STATISTIC_SOURCES)
         if extensions:
             self._contexts = (
                 backpack(*extensions, extension_hook=hook, debug=debug),
@@ -291,7 +292,7 @@ class _TrackedBackward:
         if exc_type is None:
             self._cockpit._track(self._ctx, self._buffers, self._curvature_names)
         else:
-            self._cockpit._free(self._buffers)
+            self._cockpit._free(self._buffers, self._ctx)
 
 
 def _unique_by_type(extensions):

@@ -294,6 +294,27 @@ def test_a_quantity_that_raises_leaves_no_buffers_behind():
     assert not [(name, b) for name, p in model.named_parameters() for b in buffers if hasattr(p, b)]
 
 
+def test_tracking_part_of_a_model_leaves_no_buffers_on_the_rest():
+    from cockpit_fast.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)))
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cp = FastCockpit(model[0].parameters(), quantities=configuration("full"))
+    for step in range(2):
+        x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+        opt.zero_grad()
+        outputs = model(x)
+        loss = loss_fn(outputs, y)
+        info = {"loss": loss, "batch_size": 4, "optimizer": opt, "individual_losses": individual(outputs, y)}
+        with cp(step, info=info):
+            loss.backward(create_graph=cp.create_graph(step))
+        opt.step()
+    buffers = ("diag_h", "diag_ggn_exact", "diag_ggn_mc", "grad_batch", "grad_batch_factors", "sum_grad_squared")
+    assert not [(name, b) for name, p in model.named_parameters() for b in buffers if hasattr(p, b)]
+
+
 def _nan_loss_warnings(cockpit_cls, q, s):
     """Warnings of 2 tracked steps of NormTest (which does not read the loss) with a NaN loss."""
     torch.manual_seed(0)
