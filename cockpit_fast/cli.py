@@ -107,8 +107,9 @@ def run_plot(args, parser):
     from cockpit_fast.plotter import CockpitPlotter
 
     # Checked before the dashboard is drawn, not after.
-    if image_format not in Figure().canvas.get_supported_filetypes():
-        parser.error(f"cannot save a dashboard as .{image_format}: use one of {sorted(Figure().canvas.get_supported_filetypes())}")
+    formats = Figure().canvas.get_supported_filetypes()
+    if image_format not in formats:
+        parser.error(f"cannot save a dashboard as .{image_format}: use one of {sorted(formats)}")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     except OSError as error:

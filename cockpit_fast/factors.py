@@ -162,8 +162,11 @@ def conv2d_has_factors(module):
 
 
 def batch_grad_is_exact(module):
-    """Whether BackPACK's ``BatchGrad`` gives a ``Conv2d`` weight's per-sample gradients: it
-    ignores ``padding_mode`` and cannot take padding given as a string ('same', 'valid')."""
+    """Whether BackPACK's ``BatchGrad`` gives the layer's per-sample weight gradients: not for a
+    ``Conv2d`` with a ``padding_mode`` other than zeros (ignored) or padding given as a string
+    ('same', 'valid'; not taken)."""
+    if not isinstance(module, Conv2d):
+        return True
     return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
@@ -191,7 +194,7 @@ class _WeightFactorsWherePaying:
                 f"per_sample_route='factors': {module} has no factored form (grouped convolution); "
                 "use 'auto' or 'grad_batch'"
             )
-        if sizes is not None and (self._force or not self.batch_grad_is_exact(module) or factors_pay(*sizes)):
+        if sizes is not None and (self._force or not batch_grad_is_exact(module) or factors_pay(*sizes)):
             return self.factors(module, g_out)
         return self._make_param_function("weight")(ext, module, g_inp, g_out, backproped)
 
@@ -202,7 +205,6 @@ class _LinearWeightFactors(_WeightFactorsWherePaying, BatchGradLinear):
         return math.prod(module.input0.shape[1:-1]), module.out_features, module.in_features
 
     factors = staticmethod(linear_factors)
-    batch_grad_is_exact = staticmethod(lambda module: True)
 
 
 class _Conv2dWeightFactors(_WeightFactorsWherePaying, BatchGradConv2d):
@@ -213,7 +215,6 @@ class _Conv2dWeightFactors(_WeightFactorsWherePaying, BatchGradConv2d):
         return math.prod(g_out[0].shape[2:]), module.out_channels, module.weight[0].numel()
 
     factors = staticmethod(conv2d_factors)
-    batch_grad_is_exact = staticmethod(batch_grad_is_exact)
 
 
 class _CheckedConv2d(BatchGradConv2d):

@@ -1,7 +1,7 @@
 // CUDA kernel of batch_dot. A block owns a tile of columns and a group of rows; every thread
 // holds its VEC direction values in registers and reuses them for every row; each product is
-// (scale * g) * direction, as the op reads. Per row, a warp
-// reduces its products into one partial; torch sums the partials in a fixed order.
+// (scale * g) * direction, as the op reads. Per row, a warp reduces its products into one
+// partial; torch sums the partials in a fixed order.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
