@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import cockpit_fast  # noqa: E402
 from cockpit_fast.gradient_metrics import GradientMetricCollector  # noqa: E402
 from cockpit_fast.gradient_metrics import metrics as fast  # noqa: E402
-from cockpit_fast.gradient_metrics.per_sample import per_sample_gradients  # noqa: E402
+from cockpit_fast.gradient_metrics.per_sample import per_sample_forms  # noqa: E402
+from cockpit_fast.per_sample import Capture  # noqa: E402
 
 BATCH_SIZES = (32, 128, 512)
 
@@ -81,28 +82,29 @@ def main():
     warnings.simplefilter("ignore", RuntimeWarning)
     warnings.filterwarnings("ignore", "Full backward hook is firing")
     rows = []
+    # Made before the forward passes, which the collector (its per-sample engine) watches.
+    theirs = original.GradientMetricCollector(make_metrics(orig, model))
+    ours = GradientMetricCollector(make_metrics(fast, model))
     for n in BATCH_SIZES:
         x, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
         loss = nn.functional.cross_entropy(model(x), y, reduction="none")
-        theirs = original.GradientMetricCollector(make_metrics(orig, model))
-        ours = GradientMetricCollector(make_metrics(fast, model))
         torch.testing.assert_close(ours(loss, retain_graph=True), theirs(loss, retain_graph=True),
                                    rtol=1e-4, atol=1e-6)
         t_theirs, _ = median_seconds(lambda: theirs(loss, retain_graph=True), repeats, min_seconds)
         t_ours, _ = median_seconds(lambda: ours(loss, retain_graph=True), 5 * repeats, min_seconds)
         print(f"{n:>5} {1e3 * t_theirs:>22.2f} {1e3 * t_ours:>18.2f} {t_theirs / t_ours:>8.1f}x")
-        rows.append((n, per_sample_gradient_times(model, x, y, loss, repeats, min_seconds)))
+        rows.append((n, per_sample_gradient_times(model, x, y, ours._capture, loss, repeats, min_seconds)))
     print("\nper-sample gradients alone (no metrics), the route above against BackPACK BatchGrad")
     print("(BackPACK needs the model extended before the forward pass, which is timed with it)")
-    print(f"{'N':>5} {'graph route [ms]':>17} {'identity rows [ms]':>19} {'BackPACK fwd+bwd [ms]':>22}")
+    print(f"{'N':>5} {'engine [ms]':>17} {'identity rows [ms]':>19} {'BackPACK fwd+bwd [ms]':>22}")
     for n, (t_route, t_identity, t_backpack) in rows:
         print(f"{n:>5} {1e3 * t_route:>17.2f} {1e3 * t_identity:>19.2f} {1e3 * t_backpack:>22.2f}")
 
 
-def per_sample_gradient_times(model, x, y, loss, repeats, min_seconds):
+def per_sample_gradient_times(model, x, y, capture, loss, repeats, min_seconds):
     """Median seconds of: the collector's per-sample gradients, plain identity rows, BackPACK."""
     params = list(model.parameters())
-    t_route, _ = median_seconds(lambda: per_sample_gradients(loss, params, True), 5 * repeats, min_seconds)
+    t_route, _ = median_seconds(lambda: per_sample_forms(capture, loss, params, True), 5 * repeats, min_seconds)
     identity = torch.eye(len(loss))
     t_identity, _ = median_seconds(
         lambda: torch.autograd.grad(loss, params, identity, retain_graph=True, is_grads_batched=True),

@@ -1,12 +1,12 @@
-"""What one tracked training step shares: its context, the statistics it asks for, and the hook.
+"""What one tracked training step shares: its context, the statistics it asks for, and their computation.
 
-Quantities never read BackPACK buffers themselves. Before the backward pass each one names the
-per-parameter *statistics* it needs (hashable keys, so two quantities asking for the same
-histogram or the same norms share one computation). The :class:`StatisticsHook` runs inside
-BackPACK right after a module's extensions, computes every requested statistic of that module's
-parameters with the fused ops while the per-sample gradients are hot, and deletes them at once.
-Per-sample gradients come either as BackPACK's ``grad_batch`` or, on the factor route, as the
-two factors of Linear and Conv2d weights (:mod:`cockpit_fast.factors`); the results are the same.
+Quantities never read per-sample gradients themselves. Before the backward pass each one names
+the per-parameter *statistics* it needs (hashable keys, so two quantities asking for the same
+histogram or the same norms share one computation). After the backward pass
+:func:`collect_statistics` computes every requested statistic of every tracked parameter from
+the per-sample engine's forms (:mod:`cockpit_fast.per_sample`): closed forms where a form has
+them (factors of Linear and convolution weights, embedding rows), else the fused ops over the
+per-sample gradients, formed a chunk of samples at a time. Every route gives the same results.
 
 Sums (``BATCH_L2``, ``SUM_GRAD_SQUARED``, dot products) stay in BackPACK's units, that of
 ``grad_batch = ∇ℓ_n / N`` for a mean loss; quantities rescale them with the batch size. Histograms and abs-maxima see ``N * grad_batch``, i.e. the
@@ -19,14 +19,13 @@ from functools import cached_property
 from typing import Callable
 
 import torch
-from backpack.extensions import BatchGrad
-
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast.factors import CheckedBatchGrad, GradBatchFactors, WeightFactors
 
 ROUTES = ("auto", "factors", "grad_batch")
-"""How per-sample statistics are computed: see :func:`extensions_for`."""
+"""How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
+cheaper than forming the gradients; ``"factors"``, its closed forms wherever it has them;
+``"grad_batch"``, always from the per-sample gradients themselves."""
 
 
 class HotParameter:
@@ -35,37 +34,31 @@ class HotParameter:
     Args:
         index (int): Position among the tracked parameters.
         param (torch.Tensor): The parameter.
-        grad_batch (torch.Tensor): Per-sample gradients, detached: BackPACK's ``grad_batch`` or
-            a chunk of consecutive samples formed from :class:`~cockpit_fast.factors.WeightFactors`.
-        batch_size (int): Samples in the mini-batch (more than ``grad_batch`` holds for a chunk).
-        grad (torch.Tensor, optional): The mini-batch gradient; if not given, it is formed from
-            ``factors`` or summed from ``grad_batch`` when a statistic first reads it.
-        factors (WeightFactors, optional): The factors the per-sample gradients come from.
+        form: Its per-sample gradients (:class:`~cockpit_fast.per_sample.PerSampleGrads`).
+        grad_batch (torch.Tensor, optional): Dense per-sample gradients of consecutive samples
+            (a chunk of ``form``), in BackPACK's ``grad_batch`` units.
+        grad (torch.Tensor, optional): The mini-batch gradient; by default the form's.
+        route (str): One of :data:`ROUTES`.
     """
 
-    def __init__(self, index, param, grad_batch, batch_size, grad=None, factors=None):
+    def __init__(self, index, param, form, grad_batch=None, grad=None, route="auto"):
         self.index = index
         self.param = param
+        self.form = form
         self.grad_batch = grad_batch
-        self.batch_size = batch_size
-        self._factors = factors
+        self.batch_size = form.batch_size
+        self.route = route
         if grad is not None:
             self.grad = grad
 
     @cached_property
     def grad(self):
-        """The mini-batch gradient, formed once for all statistics that read it.
-
-        ``param.grad`` is not yet written when the hook runs.
-        """
-        return self._factors.grad if self._factors is not None else self.grad_batch.sum(0)
+        """The mini-batch gradient, formed once for all statistics that read it."""
+        return self.form.grad
 
 
 class Statistic:
     """A per-parameter statistic of the individual gradients, computed inside the hook."""
-
-    served_by_factors = True
-    """Whether the factor route can compute it (from factors, or from chunks of samples)."""
 
     reduction = "sum"
     """How ranks combine it (:mod:`cockpit_fast.distributed`): ``"sum"``, ``"max"``,
@@ -83,8 +76,9 @@ class Statistic:
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
         raise NotImplementedError
 
-    def from_factors(self, factors, hot):
-        """Compute it from :class:`~cockpit_fast.factors.WeightFactors`; None: take it from chunks."""
+    def from_form(self, form, hot):
+        """Compute it in closed form from the parameter's per-sample gradient ``form``; None:
+        take it from chunks of the per-sample gradients."""
         return None
 
     def merge(self, parts):
@@ -110,8 +104,8 @@ class _BatchL2(Statistic):
     def from_grad_batch(self, hot):
         return ops.batch_l2(hot.grad_batch)
 
-    def from_factors(self, factors, hot):
-        return factors.batch_l2()
+    def from_form(self, form, hot):
+        return form.batch_l2(force=hot.route == "factors")
 
 
 class _SumGradSquared(Statistic):
@@ -123,8 +117,8 @@ class _SumGradSquared(Statistic):
     def from_grad_batch(self, hot):
         return ops.sum_grad_squared(hot.grad_batch)
 
-    def from_factors(self, factors, hot):
-        return factors.sum_grad_squared()
+    def from_form(self, form, hot):
+        return form.sum_grad_squared()
 
     def merge(self, parts):
         return sum(parts)
@@ -145,8 +139,8 @@ class _GradAbsMax(Statistic):
     def from_grad_batch(self, hot):
         return ops.per_sample_stats(hot.grad_batch, hot.batch_size)[:, columns.MAX_ABS].max()
 
-    def from_factors(self, factors, hot):
-        return factors.abs_max(hot.batch_size)
+    def from_form(self, form, hot):
+        return form.abs_max(hot.batch_size)
 
     def merge(self, parts):
         return torch.stack(parts).max()
@@ -165,8 +159,8 @@ class _DotMeanGrad(Statistic):
     def from_grad_batch(self, hot):
         return ops.batch_dot(hot.grad_batch, hot.grad)
 
-    def from_factors(self, factors, hot):
-        return factors.dot(hot.grad)
+    def from_form(self, form, hot):
+        return form.dot(hot.grad)
 
 
 DOT_MEAN_GRAD = _DotMeanGrad()
@@ -174,7 +168,6 @@ DOT_MEAN_GRAD = _DotMeanGrad()
 
 
 class _KeepGradBatch(Statistic):
-    served_by_factors = False  # kept for a later step: it must exist in full
     reduction = "local"  # each rank keeps its own; what is later taken from it is combined
 
     def __repr__(self):
@@ -198,8 +191,8 @@ class Hist1d(Statistic):
     def from_grad_batch(self, hot):
         return ops.hist1d(hot.grad_batch, self.bins, self.range, scale=hot.batch_size)
 
-    def from_factors(self, factors, hot):
-        return factors.hist1d(self.bins, self.range, scale=hot.batch_size)
+    def from_form(self, form, hot):
+        return form.hist1d(self.bins, self.range, scale=hot.batch_size)
 
     def merge(self, parts):
         return sum(parts)
@@ -215,8 +208,8 @@ class Hist2d(Statistic):
     def from_grad_batch(self, hot):
         return ops.hist2d(hot.grad_batch, hot.param.detach(), self.bins, self.range, scale=hot.batch_size)
 
-    def from_factors(self, factors, hot):
-        return factors.hist2d(hot.param, self.bins, self.range, scale=hot.batch_size)
+    def from_form(self, form, hot):
+        return form.hist2d(hot.param, self.bins, self.range, scale=hot.batch_size)
 
     def merge(self, parts):
         return sum(parts)
@@ -244,34 +237,8 @@ class Projection(Statistic):
     def from_grad_batch(self, hot):
         return ops.batch_dot(hot.grad_batch, self.direction(hot))
 
-    def from_factors(self, factors, hot):
-        return factors.dot(self.direction(hot))
-
-
-STATISTIC_SOURCES = frozenset({"grad_batch", "grad_batch_factors"})
-"""BackPACK buffers the hook reads statistics from."""
-
-
-def extensions_for(statistics, route="auto", user_extensions=()):
-    """The BackPACK extension from which the hook computes ``statistics``.
-
-    ``"auto"`` takes the factor route (:class:`~cockpit_fast.factors.GradBatchFactors`) whenever it
-    serves every statistic, with factors for the layers where they pay
-    (:func:`~cockpit_fast.factors.factors_pay`), else BackPACK's ``BatchGrad``; ``"factors"``
-    insists on factors for every layer that has them (ValueError if a statistic needs
-    ``grad_batch`` itself); ``"grad_batch"`` always materialises. Nothing is added when the
-    user computes ``BatchGrad`` anyway.
-    """
-    if route not in ROUTES:
-        raise ValueError(f"per_sample_route must be one of {ROUTES}, got {route!r}")
-    if not statistics or any(isinstance(e, BatchGrad) for e in user_extensions):
-        return []
-    unserved = sorted(repr(s) for s in statistics if not s.served_by_factors)
-    if route == "factors" and unserved:
-        raise ValueError(f"per_sample_route='factors' cannot compute {unserved}: use 'auto' or 'grad_batch'")
-    if route == "grad_batch" or unserved:
-        return [CheckedBatchGrad()]
-    return [GradBatchFactors(force=route == "factors")]
+    def from_form(self, form, hot):
+        return form.dot(self.direction(hot))
 
 
 class StepContext:
@@ -298,10 +265,11 @@ class StepContext:
         self._index = {id(p): i for i, p in enumerate(params)}
         self.requests = set()
         self._results = defaultdict(dict)
-        self.local_batch_size = None  # samples of this rank, as the hook saw them
+        self.local_batch_size = None  # samples of this rank, as the per-sample gradients have them
         self.local_grads = {}  # index -> this rank's gradient (distributed only)
-        self.deferred = {}  # index -> (param, source) of statistics waiting for the global gradient
-        self.extended_params = []  # every parameter BackPACK's hook visited, tracked or not
+        self.deferred = {}  # index -> (param, form) of statistics waiting for the global gradient
+        self.route = "auto"  # how the statistics are computed (ROUTES)
+        self.extended_params = []  # every parameter BackPACK's extensions visited, tracked or not
         self._global_grads = None
         self._grad_l2_squared = None
         self._curvatures = {}
@@ -359,8 +327,8 @@ class StepContext:
         missing = [i for i in range(len(self.params)) if i not in values]
         if missing:
             raise RuntimeError(
-                f"{statistic!r} was not computed for parameters {missing}: were they used in the "
-                "forward pass of a model extended by BackPACK (backpack.extend)?"
+                f"{statistic!r} was not computed for parameters {missing}: they got no gradient in this "
+                "backward pass (not used in the forward pass, or used before the cockpit was made)"
             )
         return [values[i] for i in range(len(self.params))]
 
@@ -406,81 +374,52 @@ def flatten(tensors):
     return torch.cat([t.flatten() for t in tensors])
 
 
-class StatisticsHook:
-    """BackPACK extension hook: computes the step's statistics per parameter, then frees buffers.
-
-    Args:
-        ctx (StepContext): Receives the statistics; ``ctx.requests`` says which.
-        delete_fields (set[str]): BackPACK buffers to delete once read (those the user did not
-            ask for through their own extensions).
-    """
-
-    def __init__(self, ctx, delete_fields):
-        self._ctx = ctx
-        self._delete_fields = delete_fields
-        self._visited = set()
-
-    def __call__(self, module):
-        # Containers are visited too; their parameters belong to their leaf modules.
-        if next(module.children(), None) is not None:
-            return
-        for param in module.parameters():
-            if id(param) in self._visited or not param.requires_grad:
-                continue
-            self._visited.add(id(param))
-            self._ctx.extended_params.append(param)
-            index = self._ctx.index_of(param)
-            if index is not None and self._ctx.requests:
-                self._collect(index, param)
-            for name in self._delete_fields:
-                if hasattr(param, name):
-                    delattr(param, name)
-
-    def _collect(self, index, param):
-        ctx = self._ctx
-        source = getattr(param, "grad_batch", None)
-        if source is None:
-            source = getattr(param, "grad_batch_factors", None)
-        if source is None:  # BackPACK has no extension for this layer: per_param() will say so
-            return
-        ctx.local_batch_size = source.batch_size if isinstance(source, WeightFactors) else source.shape[0]
+def collect_statistics(ctx, forms, route="auto"):
+    """Compute ``ctx.requests`` of every tracked parameter from ``forms`` (``{id(param): form}``)
+    and store them in ``ctx``. Under ``torch.distributed`` the statistics of the mini-batch
+    gradient wait for the global one (``ctx.deferred``)."""
+    ctx.route = route
+    for index, param in enumerate(ctx.params):
+        form = forms.get(id(param))
+        if form is None:  # not used by this backward pass: per_param() will say so
+            continue
+        ctx.local_batch_size = form.batch_size
         now = ctx.requests
-        if ctx.group is not None:  # statistics of the mini-batch gradient wait for the global one
+        if ctx.group is not None:
             later = {s for s in now if s.uses_mean_grad}
             if later:
-                ctx.deferred[index] = (param, source)
+                ctx.deferred[index] = (param, form)
             now = now - later
-        for statistic, value in compute_statistics(index, param, source, now).items():
+        for statistic, value in compute_statistics(index, param, form, now, route=route).items():
             ctx.store(statistic, index, value)
 
 
-def compute_statistics(index, param, source, statistics, grad=None):
-    """``statistics`` of the ``index``-th parameter from its per-sample gradients.
+def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
+    """``statistics`` of the ``index``-th parameter from its per-sample gradient ``form``.
 
     Args:
-        source: BackPACK's ``grad_batch`` tensor, or :class:`~cockpit_fast.factors.WeightFactors`.
+        form: A :class:`~cockpit_fast.per_sample.PerSampleGrads`.
         grad (torch.Tensor, optional): The mini-batch gradient statistics read as ``hot.grad``;
-            by default this process's own, summed from ``source``.
+            by default this process's own, the form's.
+        route (str): One of :data:`ROUTES`.
 
     Returns:
         dict: statistic -> value.
     """
     if not statistics:
         return {}
-    if not isinstance(source, WeightFactors):
-        return _from_grad_batch(HotParameter(index, param, source.detach(), source.shape[0], grad=grad), statistics)
-    hot = HotParameter(index, param, None, source.batch_size, grad=grad, factors=source)
+    hot = HotParameter(index, param, form, grad=grad, route=route)
     values, from_chunks = {}, set()
     for statistic in statistics:
-        value = statistic.from_factors(source, hot)
+        value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None:
             from_chunks.add(statistic)
         else:
             values[statistic] = value
     if from_chunks:
         parts = defaultdict(list)
-        for chunk in source.chunks():
-            chunk_hot = HotParameter(index, param, chunk, hot.batch_size, grad=grad, factors=source)
+        for chunk in form.chunks():
+            chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route)
             for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
                 parts[statistic].append(value)
         for statistic in from_chunks:

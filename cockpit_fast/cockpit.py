@@ -11,8 +11,9 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast._step import ROUTES, STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
+from cockpit_fast._step import ROUTES, StepContext, collect_statistics
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
+from cockpit_fast.per_sample import Capture, whole_graph_grads
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import Quantity
 
@@ -38,15 +39,13 @@ class Cockpit:
         params (iterable): Parameters to track; each must require gradients.
         quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.Quantity`
             instances to track. Defaults to none.
-        per_sample_route (str, optional): Where per-sample statistics come from. ``"auto"``
-            (default): the weights of Linear and Conv2d layers from their input and output
-            gradient without materialising per-sample gradients (:mod:`cockpit_fast.factors`),
-            where those factors are smaller than the gradient and every statistic of the step
-            can be served so; else BackPACK's ``grad_batch``. ``"factors"``: factors for every
-            such layer, cheaper or not (a step needing ``grad_batch`` itself, or a grouped
-            convolution, raises); ``"grad_batch"``: never. Results agree to rounding. A Conv2d
-            padded other than by zeros given as numbers always takes factors: BackPACK's
-            ``grad_batch`` is wrong there, and materialising it raises.
+        per_sample_route (str, optional): How per-sample statistics are computed from the
+            per-sample engine's forms (:mod:`cockpit_fast.per_sample`). ``"auto"`` (default):
+            closed forms (factors of Linear and convolution weights, embedding rows) where
+            they are cheaper than forming the per-sample gradients; ``"factors"``: closed
+            forms wherever a form has them; ``"grad_batch"``: always from the per-sample
+            gradients themselves, formed a chunk of samples at a time. Results agree to
+            rounding.
         process_group (optional): Under ``torch.distributed``, the processes whose samples form
             the global batch; every quantity is then that of the global batch
             (:mod:`cockpit_fast.distributed`). Defaults to the world group when
@@ -82,6 +81,9 @@ class Cockpit:
         self.output = defaultdict(dict)
         self._nan_loss = _NanLossWatch()
         self._steps_since_output = 0
+        # Watches the forward passes from now on: the per-sample gradients come from their calls.
+        self._capture = Capture(self.params)
+        self._tracked_steps = 0
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -246,7 +248,8 @@ def _warn_nan_loss(step, loss, steps):
 
 
 class _TrackedBackward:
-    """Runs one backward pass under BackPACK with the step's hook, then tracks the quantities."""
+    """Runs one backward pass with the per-sample engine armed (and BackPACK where a quantity
+    asks for its extensions), then tracks the quantities."""
 
     def __init__(self, cockpit, ctx, user_exts, debug):
         self._cockpit = cockpit
@@ -254,24 +257,20 @@ class _TrackedBackward:
         step = ctx.global_step
         for q in cockpit.quantities:
             ctx.requests.update(q.statistics(ctx))
-        extensions = _unique_by_type(
-            [
-                *user_exts,
-                *extensions_for(ctx.requests, cockpit.per_sample_route, user_exts),
-                *(e for q in cockpit.quantities for e in q.extensions(step)),
-            ]
-        )
+        self._requested_by = {}  # BackPACK extension type -> the quantities asking for it
+        for q in cockpit.quantities:
+            for e in q.extensions(step):
+                self._requested_by.setdefault(type(e), []).append(type(q).__name__)
+        extensions = _unique_by_type([*user_exts, *(e for q in cockpit.quantities for e in q.extensions(step))])
+        self._extensions = extensions
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
-        self._capture = None
-        if ctx.group is not None:
-            self._capture = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(step))
+        self._grads = None
+        self._whole_graph = {}
         kept = {e.savefield for e in user_exts}
-        # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.
-        self._buffers = {e.savefield for e in extensions} - kept
-        hook = StatisticsHook(ctx, self._buffers & STATISTIC_SOURCES)
+        self._buffers = {e.savefield for e in extensions} - kept  # freed after tracking
         if extensions:
             self._contexts = (
-                backpack(*extensions, extension_hook=hook, debug=debug),
+                backpack(*extensions, extension_hook=_record_visited(ctx), debug=debug),
                 weight_jac_t_save_memory(save_memory=cockpit.BACKPACK_CONV_SAVE_MEMORY),
             )
         else:
@@ -280,19 +279,144 @@ class _TrackedBackward:
             print(f"[DEBUG, step {step}] statistics: {ctx.requests}, extensions: {extensions}, kept: {kept}")
 
     def __enter__(self):
+        cockpit, ctx = self._cockpit, self._ctx
+        first_check = cockpit._tracked_steps == 0 or all(p.device.type == "cpu" for p in cockpit.params)
+        if first_check:
+            _check_mean_loss(ctx)
+        _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
+        if ctx.requests:
+            self._whole_graph = _whole_graph_forms(cockpit._capture, ctx)
+            cockpit._capture.arm()
+        self._check_sums = bool(ctx.requests) and first_check
+        if ctx.group is not None or self._check_sums:
+            self._grads = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(ctx.global_step))
         for context in self._contexts:
             context.__enter__()
 
     def __exit__(self, exc_type, exc, traceback):
+        cockpit, ctx = self._cockpit, self._ctx
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
-        if self._capture is not None:
-            self._capture.remove()
-            self._ctx.local_grads = self._capture.grads
-        if exc_type is None:
-            self._cockpit._track(self._ctx, self._buffers, self._curvature_names)
-        else:
-            self._cockpit._free(self._buffers, self._ctx)
+        forms = cockpit._capture.disarm(skip=self._whole_graph) if ctx.requests else {}
+        if self._grads is not None:
+            self._grads.remove()
+            ctx.local_grads = self._grads.grads
+        if exc_type is not None:
+            cockpit._free(self._buffers, ctx)
+            return
+        forms.update(self._whole_graph)
+        if self._check_sums:  # the whole graph's add up by construction
+            _check_sums(ctx, forms, cockpit._capture.hooked | set(self._whole_graph))
+        collect_statistics(ctx, forms, cockpit.per_sample_route)
+        cockpit._tracked_steps += 1
+        cockpit._track(ctx, self._buffers, self._curvature_names)
+
+
+def _record_visited(ctx):
+    """BackPACK extension hook: remembers every parameter its extensions filled, to free them."""
+    visited = set()
+
+    def record(module):
+        for param in module.parameters(recurse=False):
+            if id(param) not in visited:
+                visited.add(id(param))
+                ctx.extended_params.append(param)
+
+    return record
+
+
+def _batch_size(ctx):
+    """The step's number of samples, where ``info`` tells it."""
+    if ctx.has_info("batch_size"):
+        return ctx.info("batch_size", None)
+    if ctx.has_info("individual_losses"):
+        return len(ctx.info("individual_losses", None))
+    return None
+
+
+def _whole_graph_forms(capture, ctx):
+    """Per-sample gradients, computed now through the whole graph, of the tracked parameters
+    that no module call can give exactly: all of them where samples interact (a batch norm in
+    training mode), those of calls that cannot be replayed (random ops) or that do not hold
+    the batch's samples along their first dimension, and those no call captured."""
+    n = _batch_size(ctx)
+    owners = capture.owners()
+    covered, inexact = set(), set()
+    for module, ids, call in owners:
+        covered |= ids
+        if (n is not None and call.batch_size != n) or (call.needs_replay() and call.replays_randomness()):
+            inexact |= ids
+    tracked = {id(p) for p in ctx.params}
+    if capture.mixing:
+        why = f"samples interact through {type(next(iter(capture.mixing))).__name__} in training mode"
+        needed = tracked
+    elif inexact:
+        needed, why = inexact, "a module call draws random numbers (dropout) or has no sample dimension first"
+    else:
+        needed, why = tracked - covered, "no module call captured them (used before the cockpit was made?)"
+    if not needed:
+        return {}
+    losses = ctx._info.get("individual_losses")
+    if losses is None or losses.grad_fn is None:
+        if needed <= tracked - covered:  # unused parameters: per_param() says so
+            return {}
+        raise ValueError(
+            f"per-sample gradients of {len(needed)} tracked parameters need every sample's own loss ({why}): "
+            "hand in info['individual_losses'] with their graph (computed from the model's output, not detached)"
+        )
+    params = [p for p in ctx.params if id(p) in needed]
+    return whole_graph_grads(losses, params, 1.0 / losses.shape[0])
+
+
+def _check_mean_loss(ctx):
+    """Cockpit's quantities assume the mini-batch loss is the mean of the individual losses."""
+    if not (ctx.has_info("loss") and ctx.has_info("individual_losses")):
+        return
+    loss = ctx.loss(None)
+    losses = ctx.info("individual_losses", None).detach()
+    if losses.numel() == 0:
+        return
+    mean = losses.mean().to(loss.dtype)
+    # Beyond what rounding the individual losses could explain (a sum is N times the mean).
+    tolerance = 1e-3 * (mean.abs() + losses.abs().max().to(loss.dtype)) + 1e-12
+    if (loss - mean).abs() > tolerance:
+        raise ValueError(
+            f"info['loss'] = {loss.item():.6g} is not the mean of info['individual_losses'] ({mean.item():.6g}): "
+            "the cockpit's statistics assume a mean-reduced loss (reduction='mean')"
+        )
+
+
+def _check_sums(ctx, forms, hooked):
+    """The per-sample gradients of each parameter must add up to its gradient from this backward
+    pass; they do not where it is also used outside the calls of the modules that own it."""
+    for index, param in enumerate(ctx.params):
+        form, grad = forms.get(id(param)), ctx.local_grads.get(index)
+        if form is None or grad is None or id(param) in hooked:
+            continue
+        grad = grad.detach()
+        tolerance = (1e-7 if grad.dtype == torch.float64 else 1e-3) * grad.abs().max() + 1e-30
+        if (form.grad.to(grad.dtype) - grad).abs().max() > tolerance:
+            raise ValueError(
+                f"the per-sample gradients of tracked parameter {index} (shape {tuple(param.shape)}) do not add up "
+                "to its gradient: it is used outside the forward pass of the module that owns it (a functional "
+                "use in another module's forward, say). Use it inside a module's forward, or track without it"
+            )
+
+
+def _check_curvature_support(capture, extensions, requested_by):
+    """A BackPACK curvature on a module BackPACK cannot handle: a clear error before the backward."""
+    for ext in extensions:
+        if ext.savefield not in CURVATURE_EXTENSIONS:
+            continue
+        supported = ext._BackpropExtension__module_extensions
+        for module, _, _ in capture.owners():
+            for leaf in module.modules():
+                if next(leaf.parameters(recurse=False), None) is not None and type(leaf) not in supported:
+                    names = ", ".join(requested_by.get(type(ext), [type(ext).__name__]))
+                    raise ValueError(
+                        f"{names} need{'s' if ', ' not in names else ''} BackPACK's {type(ext).__name__}, which does not support "
+                        f"{type(leaf).__name__} ({leaf}): track it on models of layers BackPACK knows"
+                    )
 
 
 def _unique_by_type(extensions):

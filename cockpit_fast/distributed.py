@@ -144,7 +144,7 @@ def reduce_step(ctx, curvature_names=()):
     later = {s for s in statistics if s.uses_mean_grad}
     grads = ctx.grads()
     for index, (param, source) in sorted(ctx.deferred.items()):
-        for statistic, value in compute_statistics(index, param, source, later, grad=grads[index]).items():
+        for statistic, value in compute_statistics(index, param, source, later, grad=grads[index], route=ctx.route).items():
             ctx.store(statistic, index, value)
     ctx.deferred.clear()
 

@@ -17,10 +17,6 @@ from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 @pytest.mark.parametrize("route", ROUTES)
 def test_alpha_matches_cockpit(route, optimizer, model_name):
-    if route == "factors" and optimizer != "sgd":  # it keeps grad_batch itself for the next step
-        with pytest.raises(ValueError, match="per_sample_route='factors' cannot compute"):
-            side_by_side(one("Alpha"), model_name, steps=4, optimizer=optimizer, route=route)
-        return
     expected, actual = side_by_side(one("Alpha"), model_name, steps=4, optimizer=optimizer, route=route)
     assert sorted(actual) == [0, 1, 2]
     assert_same_output(actual, expected, rtol=1e-3, atol=1e-5)

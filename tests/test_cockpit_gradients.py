@@ -91,22 +91,3 @@ def test_statistics_shared_by_quantities_are_computed_once():
     for q in tracked:
         ctx.requests.update(q.statistics(ctx))
     assert ctx.requests == {Hist1d(100, (-2, 2)), BATCH_L2, DOT_MEAN_GRAD}
-
-
-def test_route_choice():
-    from backpack.extensions import BatchGrad
-
-    from cockpit_fast._step import BATCH_L2, GRAD_BATCH, Hist1d, extensions_for
-    from cockpit_fast.factors import CheckedBatchGrad, GradBatchFactors
-
-    served = {BATCH_L2, Hist1d(3, (-1, 1))}
-    assert [type(e) for e in extensions_for(served)] == [GradBatchFactors]
-    assert [type(e) for e in extensions_for(served, "factors")] == [GradBatchFactors]
-    assert [type(e) for e in extensions_for(served, "grad_batch")] == [CheckedBatchGrad]
-    assert [type(e) for e in extensions_for(served | {GRAD_BATCH})] == [CheckedBatchGrad]
-    with pytest.raises(ValueError, match=r"per_sample_route='factors' cannot compute \['grad_batch'\]"):
-        extensions_for(served | {GRAD_BATCH}, "factors")
-    with pytest.raises(ValueError, match="per_sample_route must be one of"):
-        extensions_for(served, "ghost")
-    assert extensions_for(served, user_extensions=[BatchGrad()]) == []  # computed anyway: read it
-    assert extensions_for(set()) == []

@@ -9,6 +9,7 @@ import torch.nn as nn
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as fast
 from cockpit_fast.gradient_metrics import per_sample
+from cockpit_fast.per_sample import Capture, FactoredGrads
 
 original = pytest.importorskip("gradient_metrics")
 from gradient_metrics import metrics as orig  # noqa: E402  (after the importorskip)
@@ -172,10 +173,10 @@ def per_sample_reference(setup_name, params_of):
 @pytest.mark.parametrize(
     "setup_name, linear_only, factored",
     [
-        ("mlp", True, [True, True]),  # probes find independent samples
-        ("batch_centred", True, [False, True]),  # probes find interaction before layer 2
-        ("coupled", True, [False, True]),  # the same through batch norm
-        ("coupled", False, [False, True]),  # batch norm's parameters: the identity rows
+        ("mlp", True, [True, True]),  # the weighted pass finds independent samples
+        ("batch_centred", True, [False, False]),  # it finds samples interacting between the layers
+        ("coupled", True, [False, False]),  # batch norm in training mode: known to mix samples
+        ("coupled", False, [False, False]),  # batch norm's parameters: the identity rows too
     ],
 )
 def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
@@ -185,9 +186,10 @@ def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
 
     setup = Setup(setup_name, torch.float64)
     params = params_of(setup.model)
-    grads = per_sample.per_sample_gradients(setup.forward(), params, retain_graph=False)
+    capture = Capture(params)
+    grads = per_sample.per_sample_forms(capture, setup.forward(), params, retain_graph=False)
     weights = [m.weight for m in setup.model if isinstance(m, nn.Linear)]
-    assert [grads[id(w)].factors is not None for w in weights] == factored
+    assert [isinstance(grads[id(w)], FactoredGrads) for w in weights] == factored
     for n, expected in per_sample_reference(setup_name, params_of).items():
         for param, e in zip(params, expected):
             torch.testing.assert_close(grads[id(param)].dense()[n], e, rtol=1e-10, atol=1e-13)
@@ -195,9 +197,25 @@ def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_failing_batched_backward_falls_back_to_one_pass_per_sample(dtype, monkeypatch):
+    # A collector made after the forward pass watched no module call: the batched route, which
+    # the custom autograd Function breaks, then one pass per sample.
     monkeypatch.setattr(per_sample, "_warned", set())
+    outputs = []
     with pytest.warns(RuntimeWarning, match="batched backward pass failed"):
+        for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+            setup = Setup("custom_function", dtype)
+            loss = setup.forward()
+            outputs.append(collector_class(make_metrics(module, "all_kinds", setup.targets))(loss))
+    assert_matches(outputs[1], outputs[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_module_calls_serve_a_graph_the_batched_backward_cannot_take(dtype, monkeypatch):
+    monkeypatch.setattr(per_sample, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         theirs, ours = run_both("custom_function", "all_kinds", dtype)
+    assert fallback_warnings(caught) == []
     assert_matches(ours, theirs, dtype)
 
 

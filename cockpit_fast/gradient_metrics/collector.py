@@ -1,7 +1,8 @@
 """GradientMetricCollector: per-sample gradient metrics of a loss of shape (N,) in one pass.
 
-Same API and values as gradient-metrics 0.5.0, which runs one backward pass per sample. Here one
-batched backward pass gives every sample's gradients (:mod:`.per_sample`), one
+Same API and values as gradient-metrics 0.5.0, which runs one backward pass per sample. Here the
+per-sample engine gives every sample's gradients from the module calls it watched in the forward
+pass, or one batched backward pass where it cannot (:mod:`.per_sample`), one
 ``cockpit_fast.ops.per_sample_stats`` call per (parameter, transform) serves every built-in metric,
 and the rows of a metric's parameters merge with ``cockpit_fast.stats.merge``.
 
@@ -11,22 +12,23 @@ how it collects get their per-sample gradients one sample at a time; and a batch
 that fails falls back to one backward pass per sample, as in the original.
 """
 
+import math
 from collections import Counter, defaultdict
 
 import torch
 
 from cockpit_fast import stats as columns
 from cockpit_fast.gradient_metrics.metrics import GradientMetric
-from cockpit_fast.gradient_metrics.per_sample import (
-    PerSampleGrad,
-    per_sample_gradients,
-    per_sample_stats,
-    warn_once,
-)
+from cockpit_fast.gradient_metrics.per_sample import per_sample_forms, warn_once
+from cockpit_fast.per_sample import Capture, DenseGrads, stats_rows
 
 
 class GradientMetricCollector:
     """Computes gradient metrics for every sample of a batch.
+
+    The collector watches the forward passes from when it is made (:mod:`cockpit_fast.per_sample`):
+    make it before the forward pass whose loss it is handed, or that pass takes the slower
+    batched route.
 
     Under ``torch.distributed`` each process gets the rows of its own samples only: the metrics
     are per sample, so nothing is exchanged, and the first call says so once (a RuntimeWarning).
@@ -59,6 +61,7 @@ class GradientMetricCollector:
         self._copies = Counter(id(m) for m in self._metrics)
         # Each target once; tensors hash by identity.
         self._params = list(dict.fromkeys(p for m in self._metrics for p in m.target_parameters))
+        self._capture = Capture([p for p in self._params if p.requires_grad])
 
     def __call__(self, loss, retain_graph=False):
         """Gradient metrics of each sample's own loss.
@@ -87,7 +90,7 @@ class GradientMetricCollector:
                 f"{torch.distributed.get_world_size()}); nothing is gathered across processes"
             )
         try:
-            grads = per_sample_gradients(loss, self._params, retain_graph)
+            grads = per_sample_forms(self._capture, loss, self._params, retain_graph)
         except RuntimeError as error:
             warn_once(
                 "GradientMetricCollector: the batched backward pass failed "
@@ -151,8 +154,9 @@ def _read_one_sample(metric, sample_grads, copies):
 def _feed_sample_by_sample(metric, grads, n, copies):
     """Per-sample values of a metric that must see each sample's gradients itself."""
     rows = []
+    dense = {id(p): grads[id(p)].dense() for p in metric.target_parameters}
     for i in range(n):
-        sample_grads = {id(p): grads[id(p)].dense()[i] for p in metric.target_parameters}
+        sample_grads = {key: g[i] for key, g in dense.items()}
         rows.append(_read_one_sample(metric, sample_grads, copies))
     return torch.stack(rows)
 
@@ -168,7 +172,7 @@ class _BatchStats:
     every metric that reads it.
 
     Args:
-        grads: ``id(param)`` to its :class:`PerSampleGrad`.
+        grads: ``id(param)`` to its per-sample gradient form (:mod:`cockpit_fast.per_sample`).
         metrics: The metrics served from stats.
     """
 
@@ -210,11 +214,12 @@ class _BatchStats:
         """``(rows, values per sample, gradient dtype)`` of one pair, computed on first use."""
         pair = self._pair(metric, param)
         if pair not in self._rows:
-            grad = self._grads[id(param)]
+            grad, dtype = self._grads[id(param)], param.dtype
             if metric.grad_transform is not None:
-                grad = PerSampleGrad(dense=_transform_each(metric.grad_transform, grad.dense()))
-            rows = per_sample_stats(grad, list(self._p_values[pair]))
-            self._rows[pair] = (rows, grad.values_per_sample, grad.dtype)
+                grad = DenseGrads(_transform_each(metric.grad_transform, grad.dense()))
+                dtype = grad.values.dtype
+            rows = stats_rows(grad, list(self._p_values[pair]))
+            self._rows[pair] = (rows, math.prod(grad.shape), dtype)
         return self._rows[pair]
 
 

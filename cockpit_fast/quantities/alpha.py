@@ -123,7 +123,7 @@ class _KeptProjection(Projection):
     def from_grad_batch(self, hot):
         return ops.batch_dot(self.start.grad_batch[hot.index], self.direction(hot))
 
-    def from_factors(self, factors, hot):
+    def from_form(self, form, hot):
         return self.from_grad_batch(hot)
 
     def global_factor(self, local_n, global_n):

@@ -1,0 +1,115 @@
+"""The exact routes for what no per-layer rule covers.
+
+* :class:`ModuleVjpGrads`, module-local: ``torch.func.vjp`` of the one module call, under ``vmap``
+  over its samples, given the captured input and output gradient (Opacus's functorch route). It
+  never backpropagates through the rest of the model, and forms its gradients a chunk of
+  samples at a time.
+* :func:`whole_graph_grads`: one batched backward pass of every sample's own loss through the
+  whole graph, for modules whose samples interact (a batch norm in training mode) or calls that
+  cannot be replayed (random ops such as dropout).
+"""
+
+import torch
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from cockpit_fast.per_sample.grads import DenseGrads, PerSampleGrads
+
+
+class ModuleVjpGrads(PerSampleGrads):
+    """Per-sample gradients of parameters of one module call, replayed sample by sample.
+
+    Args:
+        call: The captured call (:class:`~cockpit_fast.per_sample.capture.Call`).
+        name (str): The parameter's name in ``call.module`` (dotted for a submodule's).
+        output_grads (list): The gradient of each tensor output of the call (None: none).
+    """
+
+    def __init__(self, call, name, output_grads):
+        self._call, self._name, self._output_grads = call, name, output_grads
+        self.batch_size = call.batch_size
+        self.shape = call.params[name].shape
+        self._cache = None
+
+    def dense_range(self, start, stop):
+        if self._cache is None or self._cache[0] != (start, stop):
+            values = self._call.replay(start, stop, self._output_grads)
+            self._cache = ((start, stop), values)
+        return self._cache[1][self._name]
+
+
+def _sample_dims(leaves, dim, n):
+    """The sample dimension of each leaf: ``dim`` where it has N entries there, else 0 where it
+    has N entries there (a mask given batch-first), else None (shared by every sample)."""
+    dims = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            dims.append(None)
+        elif leaf.dim() > dim and leaf.shape[dim] == n:
+            dims.append(dim)
+        elif leaf.shape[0] == n:
+            dims.append(0)
+        else:
+            dims.append(None)
+    return dims
+
+
+def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim, batch, start, stop):
+    """``{name: (stop - start, *shape)}``: per-sample gradients of ``params`` (names in
+    ``module``) for samples ``start`` to ``stop`` of one call of ``module``.
+
+    Args:
+        args, kwargs: The call's inputs (detached).
+        outputs (list[torch.Tensor]): The call's tensor outputs, flattened.
+        output_grads (list): Their gradients (None where an output got none).
+        sample_dim (int): Where the samples are in the inputs and outputs (0, or 1 for a module
+            with ``batch_first=False``).
+        batch (int): N, the number of samples of the call.
+    """
+    n = stop - start
+    flat_inputs, spec = tree_flatten((args, kwargs))
+    in_dims = _sample_dims(flat_inputs, sample_dim, batch)
+    out_dims = _sample_dims(outputs, sample_dim, batch)
+    kept = [i for i, g in enumerate(output_grads) if g is not None and out_dims[i] is not None]
+    sliced = [leaf.narrow(d, start, n) if d is not None else leaf for leaf, d in zip(flat_inputs, in_dims)]
+    cotangents = [output_grads[i].narrow(out_dims[i], start, n) for i in kept]
+    detached = {name: p.detach() for name, p in params.items()}
+
+    def one_sample(sample_inputs, sample_cotangents):
+        restored = [leaf.unsqueeze(d) if d is not None else leaf for leaf, d in zip(sample_inputs, in_dims)]
+        call_args, call_kwargs = tree_unflatten(restored, spec)
+
+        def forward(p):
+            leaves = tree_flatten(functional_call(module, p, tuple(call_args), call_kwargs, tie_weights=True))[0]
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            return tuple(tensors[i].squeeze(out_dims[i]) for i in kept)
+
+        _, pullback = vjp(forward, detached)
+        return pullback(tuple(sample_cotangents))[0]
+
+    with torch.enable_grad():
+        try:
+            return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
+        except RuntimeError as error:
+            if "random" in str(error).lower():
+                raise ValueError(
+                    f"{type(module).__name__} draws random numbers in its forward pass (dropout?), so its call "
+                    "cannot be replayed sample by sample: hand in info['individual_losses'] with their graph "
+                    "(the route through the whole graph), or put the module in eval mode"
+                ) from error
+            # vmap has no batching rule for an op: the same, one sample at a time.
+            rows = []
+            for k in range(n):
+                one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
+                cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
+                rows.append(one_sample(one, cot))
+            return {name: torch.stack([row[name] for row in rows]) for name in params}
+
+
+def whole_graph_grads(losses, params, scale):
+    """``{id(param): DenseGrads}``: ``scale`` times the gradient of every ``losses[n]`` through the
+    whole graph, from one batched backward pass (the graph is kept for the caller's own)."""
+    n = losses.shape[0]
+    rows = scale * torch.eye(n, dtype=losses.dtype, device=losses.device)
+    grads = torch.autograd.grad(losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True)
+    return {id(p): DenseGrads(g if g is not None else p.new_zeros(n, *p.shape)) for p, g in zip(params, grads)}

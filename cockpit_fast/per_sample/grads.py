@@ -1,0 +1,386 @@
+"""How the per-sample gradients of one parameter are held, and the statistics each form gives cheaply.
+
+Every form stands for ``G_n``, n = 0..N-1, the gradients of one parameter for each sample in the
+units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss, as BackPACK's
+``grad_batch``). A form offers:
+
+- ``chunks()``: the dense gradients of a few consecutive samples at a time (at most
+  :data:`CHUNK_VALUES` values, one sample at least), what any statistic can be computed from;
+- ``grad``: the mini-batch gradient ``sum_n G_n``;
+- closed forms, each returning None where the form has none and the chunks must serve:
+  ``batch_l2``, ``sum_grad_squared``, ``dot``, ``abs_max``, ``hist1d``, ``hist2d``, ``stats``.
+
+:class:`DenseGrads` holds the tensor (N, *shape) itself. :class:`FactoredGrads` holds two factors,
+``G_n = sum_t left[n, t] right[n, t]^T`` (Linear and convolution weights), and
+:class:`RowGrads` the few rows of an embedding table each sample touches.
+:class:`SummedGrads` adds the forms of a parameter used several times (a module called twice,
+weights tied across modules).
+"""
+
+import math
+from functools import cached_property
+
+import torch
+
+from cockpit_fast import ops
+from cockpit_fast import stats as columns
+from cockpit_fast._validation import MAX_P_VALUES, accumulation_dtype
+
+CHUNK_VALUES = 2**22
+"""Most per-sample gradient values formed at once where a statistic needs them (16 MiB float32)."""
+
+
+def factors_pay(positions, left_size, right_size):
+    """Whether per-sample gradients are cheaper to work with as factors: one outer product each,
+    or factors (``positions * (p + q)`` values a sample) smaller than the gradient (``p * q``)."""
+    return positions == 1 or positions * (left_size + right_size) < left_size * right_size
+
+
+def samples_per_chunk(shape):
+    """How many samples' gradients of ``shape`` one chunk holds (:data:`CHUNK_VALUES`)."""
+    return max(1, CHUNK_VALUES // max(1, math.prod(shape)))
+
+
+def _acc(t):
+    return t.to(accumulation_dtype(t.dtype))
+
+
+class PerSampleGrads:
+    """Base of the forms: N per-sample gradients of a parameter of shape ``shape``."""
+
+    batch_size: int
+    shape: torch.Size
+
+    @cached_property
+    def grad(self):
+        """The mini-batch gradient ``sum_n G_n``."""
+        return sum(chunk.sum(0) for chunk in self.chunks())
+
+    def chunks(self, size=None):
+        """Dense gradients ``(c, *shape)`` of ``size`` consecutive samples at a time (the last
+        chunk may be smaller); by default as many as :data:`CHUNK_VALUES` allows."""
+        size = size or samples_per_chunk(self.shape)
+        for start in range(0, self.batch_size, size):
+            yield self.dense_range(start, min(start + size, self.batch_size))
+
+    def dense_range(self, start, stop):
+        """The dense gradients of samples ``start`` to ``stop``, ``(stop - start, *shape)``."""
+        raise NotImplementedError
+
+    def dense(self):
+        """All N gradients as one ``(N, *shape)`` tensor."""
+        return self.dense_range(0, self.batch_size)
+
+    def batch_l2(self, force=False):
+        """(N,) squared norms; ``force``: the closed form even where forming is cheaper."""
+        return None
+
+    def sum_grad_squared(self):
+        return None
+
+    def dot(self, direction):
+        return None
+
+    def abs_max(self, scale):
+        return None
+
+    def hist1d(self, bins, range, scale):
+        return None
+
+    def hist2d(self, param, bins, range, scale):
+        return None
+
+    def stats(self, p_values):
+        """:func:`cockpit_fast.ops.per_sample_stats` rows ``(N, 5 + len(p_values))`` for any number
+        of p values, or None."""
+        return None
+
+
+class DenseGrads(PerSampleGrads):
+    """The per-sample gradients as one tensor ``(N, *shape)``; every statistic from the ops."""
+
+    def __init__(self, values):
+        self.values = values.detach()
+        self.batch_size, self.shape = values.shape[0], values.shape[1:]
+
+    @cached_property
+    def grad(self):
+        return self.values.sum(0)
+
+    def chunks(self, size=None):
+        if size is None or size >= self.batch_size:  # no copy: the ops read it as it is
+            yield self.values
+        else:
+            yield from super().chunks(size)
+
+    def dense_range(self, start, stop):
+        return self.values[start:stop]
+
+    def stats(self, p_values):
+        return stats_in_groups(self.values, p_values)
+
+
+class FactoredGrads(PerSampleGrads):
+    """``G_n = sum_t left[n, t] right[n, t]^T``, reshaped to ``shape``.
+
+    Args:
+        left (torch.Tensor): ``(N, T, p)``; for a Linear weight the output gradient.
+        right (torch.Tensor): ``(N, T, q)``; for a Linear weight the input (unfolded for a
+            convolution).
+        shape (torch.Size): The parameter's shape, ``p * q`` elements.
+
+    With ``T = 1`` each gradient is one outer product: norms and dot products come from matrix
+    products of the factors, histograms from :func:`cockpit_fast.ops.outer_hist1d` /
+    :func:`~cockpit_fast.ops.outer_hist2d` (the very products a dense gradient holds), and no
+    per-sample gradient is formed. Otherwise norms take the Gram form over positions where
+    :func:`factors_pay`, dot products matrix products, and the rest the chunks.
+    """
+
+    def __init__(self, left, right, shape):
+        self.left, self.right = left.detach(), right.detach()
+        self.shape = torch.Size(shape)
+        self.batch_size, self.positions, self.left_size = left.shape
+        self.right_size = right.shape[-1]
+
+    @property
+    def is_outer_product(self):
+        """Whether each ``G_n`` is one outer product."""
+        return self.positions == 1
+
+    @property
+    def pays(self):
+        """Whether the factors are smaller than the gradients they stand for."""
+        return factors_pay(self.positions, self.left_size, self.right_size)
+
+    def _as_matrix(self, t):
+        return t.reshape(self.left_size, self.right_size)
+
+    @cached_property
+    def grad(self):
+        left = self.left.flatten(0, 1)
+        return (left.T @ self.right.flatten(0, 1)).reshape(self.shape)
+
+    def dense_range(self, start, stop):
+        left, right = self.left[start:stop], self.right[start:stop]
+        return (left.transpose(1, 2) @ right).reshape(-1, *self.shape)
+
+    def batch_l2(self, force=False):
+        left, right = _acc(self.left), _acc(self.right)
+        if self.is_outer_product:
+            return (left[:, 0] ** 2).sum(1) * (right[:, 0] ** 2).sum(1)
+        if not (self.pays or force):
+            return None
+        return (left @ left.transpose(1, 2) * (right @ right.transpose(1, 2))).sum((1, 2))
+
+    def sum_grad_squared(self):
+        if not self.is_outer_product:
+            return None
+        left, right = _acc(self.left[:, 0]), _acc(self.right[:, 0])
+        return ((left**2).T @ right**2).reshape(self.shape)
+
+    def dot(self, direction):
+        d = self._as_matrix(_acc(direction))
+        left, right = _acc(self.left), _acc(self.right)
+        return ((right @ d.T) * left).sum((1, 2))
+
+    def abs_max(self, scale):
+        # The largest product is the product of the largest factors, exactly in floating point.
+        if not self.is_outer_product:
+            return None
+        largest = self.left[:, 0].abs().amax(1) * self.right[:, 0].abs().amax(1)
+        return (scale * _acc(largest)).abs().max()
+
+    def hist1d(self, bins, range, scale):
+        if not self.is_outer_product:
+            return None
+        return ops.outer_hist1d(self.left[:, 0], self.right[:, 0], bins, range, scale)
+
+    def hist2d(self, param, bins, range, scale):
+        if not self.is_outer_product:
+            return None
+        weight = self._as_matrix(param.detach())
+        return ops.outer_hist2d(self.left[:, 0], self.right[:, 0], weight, bins, range, scale)
+
+    def stats(self, p_values):
+        if not self.is_outer_product:
+            return None
+        left, right = self.left[:, 0], self.right[:, 0]
+        # In float64: each factor's p-th powers can overflow or vanish in float32 where the
+        # products' do not.
+        wide = _outer_product_stats(
+            stats_in_groups(left.double(), p_values), left.shape[1], stats_in_groups(right.double(), p_values), right.shape[1]
+        )
+        return wide.to(accumulation_dtype(left.dtype))
+
+    def joined(self, other):
+        """One :class:`FactoredGrads` for the sum of ``self`` and ``other`` (positions joined)."""
+        return FactoredGrads(torch.cat([self.left, other.left], 1), torch.cat([self.right, other.right], 1), self.shape)
+
+
+class RowGrads(PerSampleGrads):
+    """Gradients of an embedding table (V, D): each sample touches a few rows.
+
+    Args:
+        rows (torch.Tensor): ``(K, D)``, the gradient of each (sample, row) pair that is touched.
+        samples (torch.Tensor): ``(K,)``, the sample of each pair.
+        indices (torch.Tensor): ``(K,)``, the table row of each pair.
+        batch_size (int): N.
+        shape (torch.Size): ``(V, D)``.
+
+    Every other entry is zero: the statistics count the zeros without forming them.
+    """
+
+    def __init__(self, rows, samples, indices, batch_size, shape):
+        self.rows, self.samples, self.indices = rows.detach(), samples, indices
+        self.batch_size, self.shape = batch_size, torch.Size(shape)
+
+    @classmethod
+    def from_lookups(cls, ids, output_grads, num_rows, skip=None):
+        """The rows of a lookup ``table[ids]``: ``ids`` (N, *) and its output gradient (N, *, D);
+        lookups of row ``skip`` (a padding index) get no gradient."""
+        n, width = ids.shape[0], output_grads.shape[-1]
+        ids = ids.reshape(n, -1)
+        samples = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
+        keep = None if skip is None else ids.reshape(-1) != skip
+        pairs = (samples * num_rows + ids).reshape(-1)
+        grads = output_grads.reshape(-1, width)
+        if keep is not None:
+            pairs, grads = pairs[keep], grads[keep]
+        unique, position = torch.unique(pairs, return_inverse=True)  # a row looked up twice sums
+        rows = grads.new_zeros(unique.shape[0], width).index_add_(0, position, grads)
+        return cls(rows, unique // num_rows, unique % num_rows, n, (num_rows, width))
+
+    @cached_property
+    def grad(self):
+        return self.rows.new_zeros(self.shape).index_add_(0, self.indices, self.rows)
+
+    def dense_range(self, start, stop):
+        chosen = (self.samples >= start) & (self.samples < stop)
+        out = self.rows.new_zeros(stop - start, *self.shape)
+        out[self.samples[chosen] - start, self.indices[chosen]] = self.rows[chosen]
+        return out
+
+    def batch_l2(self, force=False):
+        squares = (_acc(self.rows) ** 2).sum(1)
+        return squares.new_zeros(self.batch_size).index_add_(0, self.samples, squares)
+
+    def sum_grad_squared(self):
+        squares = _acc(self.rows) ** 2
+        return squares.new_zeros(self.shape).index_add_(0, self.indices, squares)
+
+    def dot(self, direction):
+        products = (_acc(self.rows) * _acc(direction)[self.indices]).sum(1)
+        return products.new_zeros(self.batch_size).index_add_(0, self.samples, products)
+
+    def abs_max(self, scale):
+        largest = (scale * _acc(self.rows)).abs().amax() if self.rows.numel() else None
+        zero = torch.zeros((), dtype=accumulation_dtype(self.rows.dtype), device=self.rows.device)
+        return zero if largest is None or self._zeros() == 0 else torch.maximum(largest, zero)
+
+    def _zeros(self):
+        """How many entries of the N gradients are zero without being a touched row's."""
+        return self.batch_size * math.prod(self.shape) - self.rows.numel()
+
+    def hist1d(self, bins, range, scale):
+        touched = ops.hist1d(self.rows.unsqueeze(0), bins, range, scale)
+        zero = ops.hist1d(self.rows.new_zeros(1, 1), bins, range, scale)
+        return touched + self._zeros() * zero
+
+    def hist2d(self, param, bins, range, scale):
+        # Touched rows against their parameter rows, plus zeros against every row of every
+        # sample except the touched ones.
+        param = param.detach()
+        touched_params = param[self.indices]
+        touched = ops.hist2d(self.rows.unsqueeze(0), touched_params, bins, range, scale)
+        all_zero = ops.hist2d(param.new_zeros(1, *self.shape), param, bins, range, scale)
+        touched_zero = ops.hist2d(self.rows.new_zeros(1, *touched_params.shape), touched_params, bins, range, scale)
+        return touched + self.batch_size * all_zero - touched_zero
+
+
+class SummedGrads(PerSampleGrads):
+    """The per-sample gradients of a parameter used several times: the sum of each use's form."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.batch_size, self.shape = parts[0].batch_size, parts[0].shape
+
+    @cached_property
+    def grad(self):
+        return sum(part.grad for part in self.parts)
+
+    def dense_range(self, start, stop):
+        return sum(part.dense_range(start, stop) for part in self.parts)
+
+    def dot(self, direction):  # linear in G_n: the sum of the parts'
+        values = [part.dot(direction) for part in self.parts]
+        return None if any(v is None for v in values) else sum(values)
+
+
+class HookedGrads(PerSampleGrads):
+    """The per-sample gradients after the user's hooks on the parameter (``param.register_hook``:
+    a pruning mask, a clip), applied to each sample's gradient, as autograd applies them to the
+    mini-batch gradient and gradient-metrics to each sample's."""
+
+    def __init__(self, form, hooks):
+        self.form, self.hooks = form, hooks
+        self.batch_size, self.shape = form.batch_size, form.shape
+
+    def dense_range(self, start, stop):
+        g = self.form.dense_range(start, stop)
+        for hook in self.hooks:
+            g = torch.stack([_hooked(hook, sample) for sample in g.unbind(0)]) if len(g) else g
+        return g
+
+
+def _hooked(hook, grad):
+    out = hook(grad)
+    return grad if out is None else out
+
+
+def combine(forms):
+    """One form for the sum of ``forms`` (the uses of one parameter in one backward pass)."""
+    factored = [f for f in forms if isinstance(f, FactoredGrads)]
+    if len(factored) == len(forms) and len({(f.left_size, f.right_size) for f in forms}) == 1:
+        joined = factored[0]
+        for other in factored[1:]:
+            joined = joined.joined(other)
+        return joined
+    return forms[0] if len(forms) == 1 else SummedGrads(forms)
+
+
+def stats_rows(form, p_values):
+    """:func:`cockpit_fast.ops.per_sample_stats` rows of every sample's gradient, for any number
+    of p values: in closed form where the form has one, else from its chunks."""
+    rows = form.stats(p_values)
+    if rows is None:
+        rows = torch.cat([stats_in_groups(chunk, p_values) for chunk in form.chunks()])
+    return rows
+
+
+def stats_in_groups(g, p_values):
+    """``per_sample_stats`` rows for any number of p values: one op call per group of at most
+    MAX_P_VALUES, the groups' p columns joined."""
+    groups = [p_values[i : i + MAX_P_VALUES] for i in range(0, len(p_values), MAX_P_VALUES)]
+    rows = [ops.per_sample_stats(g, 1.0, group) for group in groups or [()]]
+    return torch.cat([rows[0]] + [r[:, columns.P0 :] for r in rows[1:]], dim=1)
+
+
+def _outer_product_stats(s, size_s, t, size_t):
+    """Stats rows of the outer products x[i, j] = u[i] v[j] from the rows s of u and t of v."""
+    corners = torch.stack(
+        [s[:, e] * t[:, f] for e in (columns.MAX, columns.MIN) for f in (columns.MAX, columns.MIN)]
+    )
+    out = torch.empty_like(s)
+    out[:, columns.MAX] = corners.amax(0)
+    out[:, columns.MIN] = corners.amin(0)
+    out[:, columns.MEAN] = s[:, columns.MEAN] * t[:, columns.MEAN]
+    # u v - mean(u) mean(v) splits into three mutually orthogonal parts, so M2 is a sum of
+    # non-negative terms and does not cancel.
+    out[:, columns.M2] = (
+        s[:, columns.M2] * t[:, columns.M2]
+        + size_s * s[:, columns.MEAN] ** 2 * t[:, columns.M2]
+        + size_t * t[:, columns.MEAN] ** 2 * s[:, columns.M2]
+    )
+    out[:, columns.MAX_ABS] = s[:, columns.MAX_ABS] * t[:, columns.MAX_ABS]
+    out[:, columns.P0 :] = s[:, columns.P0 :] * t[:, columns.P0 :]
+    return out

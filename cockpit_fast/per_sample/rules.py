@@ -1,0 +1,155 @@
+"""Per-layer rules: the per-sample gradients of a module's own parameters from one call of it.
+
+A rule is one small function ``rule(module, inputs, output_grad) -> {name: form}``, filed under
+the module type with :func:`register_rule` (Opacus's ``register_grad_sampler`` is the model).
+``inputs`` are the call's positional arguments, ``output_grad`` the gradient of its output,
+both with the samples along dimension 0; the forms are those of
+:mod:`cockpit_fast.per_sample.grads`. A rule may return None for a call it does not cover (a
+grouped convolution, say); that call then takes the exact generic route
+(:mod:`cockpit_fast.per_sample.generic`), as does every module without a rule.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, RowGrads
+
+_RULES = {}
+_RULES_BY_NAME = {}  # "module.QualName" -> rule, for classes of packages we do not import
+
+
+def register_rule(*module_types):
+    """File the decorated function as the rule of ``module_types`` (types, or qualified names
+    such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages)."""
+
+    def register(rule):
+        for module_type in module_types:
+            if isinstance(module_type, str):
+                _RULES_BY_NAME[module_type] = rule
+            else:
+                _RULES[module_type] = rule
+        return rule
+
+    return register
+
+
+def rule_for(module):
+    """The rule of ``module``'s type (the nearest registered base class), or None."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name in _RULES_BY_NAME:
+            return _RULES_BY_NAME[name]
+    return None
+
+
+def _sequence(t):
+    """``(N, *, features)`` as ``(N, T, features)``."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _bias(output_grad, channel_dim=-1):
+    """Per-sample bias gradients: the output gradient summed over everything but N and channels."""
+    g = output_grad.movedim(channel_dim, -1)
+    return DenseGrads(_sequence(g).sum(1))
+
+
+@register_rule(nn.Linear)
+def linear(module, inputs, output_grad):
+    grads = {"weight": FactoredGrads(_sequence(output_grad), _sequence(inputs[0]), module.weight.shape)}
+    if module.bias is not None:
+        grads["bias"] = _bias(output_grad)
+    return grads
+
+
+@register_rule("transformers.pytorch_utils.Conv1D")
+def hf_conv1d(module, inputs, output_grad):
+    # x @ weight + bias with weight (in, out): the transposed Linear.
+    grads = {"weight": FactoredGrads(_sequence(inputs[0]), _sequence(output_grad), module.weight.shape)}
+    if module.bias is not None:
+        grads["bias"] = _bias(output_grad)
+    return grads
+
+
+def _padded_input(module, x):
+    """The convolution's input padded as the layer pads it (any ``padding_mode``, 'same')."""
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+
+
+@register_rule(nn.Conv1d, nn.Conv2d)
+def convolution(module, inputs, output_grad):
+    if module.groups != 1:
+        return None
+    x = _padded_input(module, inputs[0])
+    as_2d = isinstance(module, nn.Conv1d)
+    if as_2d:  # a 1-d convolution is a 2-d one over a height of 1
+        x = x.unsqueeze(2)
+    kernel, dilation, stride = ((1, *v) if as_2d else v for v in (module.kernel_size, module.dilation, module.stride))
+    columns = F.unfold(x, kernel, dilation, 0, stride)  # (N, in * prod(kernel), positions)
+    delta = output_grad.flatten(2)  # (N, out, positions)
+    grads = {"weight": FactoredGrads(delta.transpose(1, 2), columns.transpose(1, 2), module.weight.shape)}
+    if module.bias is not None:
+        grads["bias"] = _bias(output_grad, channel_dim=1)
+    return grads
+
+
+@register_rule(nn.Embedding)
+def embedding(module, inputs, output_grad):
+    if module.scale_grad_by_freq or module.max_norm is not None:
+        return None  # the batch's frequencies, or renormalised rows: the generic route's
+    return {"weight": RowGrads.from_lookups(inputs[0], output_grad, module.num_embeddings, module.padding_idx)}
+
+
+def _affine(module, normalized, output_grad, channel_dim):
+    """Per-sample gradients of an elementwise affine map ``weight * normalized + bias`` whose
+    parameters run along ``channel_dim`` (1) or the last dimensions (-1)."""
+    grads = {}
+    if module.weight is not None:
+        grads["weight"] = _summed_to(output_grad * normalized, module.weight.shape, channel_dim)
+    if getattr(module, "bias", None) is not None:
+        grads["bias"] = _summed_to(output_grad, module.bias.shape, channel_dim)
+    return grads
+
+
+def _summed_to(t, shape, channel_dim):
+    """``t`` summed over every dimension but the samples' and the parameter's: (N, *shape)."""
+    if channel_dim != -1:
+        t = t.movedim(channel_dim, -1)
+    return DenseGrads(t.reshape(t.shape[0], -1, *shape).sum(1))
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm(module, inputs, output_grad):
+    normalized = F.layer_norm(inputs[0], module.normalized_shape, eps=module.eps)
+    return _affine(module, normalized, output_grad, channel_dim=-1)
+
+
+@register_rule(nn.RMSNorm)
+def rms_norm(module, inputs, output_grad):
+    normalized = F.rms_norm(inputs[0], module.normalized_shape, eps=module.eps)
+    return _affine(module, normalized, output_grad, channel_dim=-1)
+
+
+@register_rule(nn.GroupNorm)
+def group_norm(module, inputs, output_grad):
+    normalized = F.group_norm(inputs[0], module.num_groups, eps=module.eps)
+    return _affine(module, normalized, output_grad, channel_dim=1)
+
+
+def mixes_samples(module):
+    """Whether the module's output for one sample depends on the other samples (a batch norm
+    normalising by the batch's statistics): no module-local route is exact then."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None)
+
+
+@register_rule(nn.modules.batchnorm._BatchNorm)
+def batch_norm(module, inputs, output_grad):
+    if mixes_samples(module):
+        return None
+    x = inputs[0]
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    normalized = (x - module.running_mean.reshape(shape)) * torch.rsqrt(module.running_var.reshape(shape) + module.eps)
+    return _affine(module, normalized, output_grad, channel_dim=1)

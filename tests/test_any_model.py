@@ -1,0 +1,184 @@
+"""Every first-order quantity and every gradient metric on models BackPACK does not know, against
+float64 per-sample gradients from torch.func (tests/any_models.py), with each quantity's formula
+applied to them here."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from any_models import MODELS, assert_counts_close, build, flat, oracle_grads
+from cockpit_fast import Cockpit, quantities
+from cockpit_fast.gradient_metrics import GradientMetricCollector
+from cockpit_fast.gradient_metrics import metrics as gm
+from cockpit_fast.quantities.alpha import _alpha
+
+N = 5
+EVERY = staticmethod(lambda step: True)
+RTOL = {torch.float64: 1e-7, torch.float32: 2e-3}
+
+
+def _variant(model, variant):
+    """Tracked parameters of ``model`` after applying ``variant``: frozen parameters, a hook."""
+    params = list(model.parameters())
+    if variant == "frozen":
+        params[0].requires_grad_(False)
+    if variant == "hooked":
+        weight = next(p for p in params if p.dim() == 2)
+        mask = (torch.arange(weight.numel()) % 3 != 0).reshape(weight.shape).to(weight.dtype)
+        weight.register_hook(lambda g: g * mask)
+        return [p for p in params if p.requires_grad], {id(weight): mask}
+    return [p for p in params if p.requires_grad], {}
+
+
+def _oracle(model, params, losses_of, x, y, masks):
+    """float64 per-sample gradients (N, *shape) of ``params``, hooks applied to each sample."""
+    twin = copy.deepcopy(model).double()
+    by_name = {id(p): name for name, p in model.named_parameters()}
+    twin_params = dict(twin.named_parameters())
+    twin_x = x.double() if x.is_floating_point() else x
+    grads = oracle_grads(twin, [twin_params[by_name[id(p)]] for p in params], losses_of, twin_x, y)
+    return [g * masks[id(p)].double() if id(p) in masks else g for g, p in zip(grads, params)]
+
+
+def _hist1d_expected(values, lo, hi, bins):
+    index = ((values.clamp(lo, hi) - lo) * bins / (hi - lo)).floor().long().clamp(max=bins - 1)
+    return torch.bincount(index, minlength=bins)
+
+
+def _step(model, params, losses_of, x, y, cockpit, step, opt):
+    losses = losses_of(model, x, y)
+    loss = losses.mean()
+    with cockpit(step, info={"batch_size": len(losses), "individual_losses": losses, "loss": loss, "optimizer": opt}):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    return losses.detach().double(), loss.detach().double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_quantities_match_the_oracle(name, dtype):
+    _check_quantities(name, dtype, "plain")
+
+
+@pytest.mark.parametrize("variant", ["frozen", "hooked"])
+@pytest.mark.parametrize("name", ["gpt_like", "residual_cnn"])
+def test_quantities_with_frozen_or_hooked_parameters(name, variant):
+    _check_quantities(name, torch.float64, variant)
+
+
+def _check_quantities(name, dtype, variant):
+    model, batch, losses_of = build(name, dtype)
+    params, masks = _variant(model, variant)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    expected_grads = _oracle(model, params, losses_of, x, y, masks)
+    g = flat(expected_grads)  # (N, D): ∇ℓ_n of every tracked parameter
+    mean = g.mean(0)
+    largest = float(g.abs().max())
+    hist_range = (-0.5 * largest, 0.4 * largest)
+    tracked = [
+        quantities.GradHist1d(EVERY, bins=17, range=hist_range),
+        quantities.MeanGSNR(EVERY),
+        quantities.NormTest(EVERY),
+        quantities.InnerTest(EVERY),
+        quantities.OrthoTest(EVERY),
+        quantities.CABS(EVERY),
+        quantities.EarlyStopping(EVERY),
+        quantities.GradNorm(EVERY),
+    ]
+    opt = torch.optim.SGD(params, lr=0.1)
+    cockpit = Cockpit(params, quantities=tracked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap's notices of ops it batches by a loop
+        losses, loss = _step(model, params, losses_of, x, y, cockpit, 0, opt)
+        output = cockpit.get_output()[0]
+
+    rtol = RTOL[dtype]
+    g_sq, mean_sq = (g**2).sum(1), (mean**2).sum()
+    projections = g @ mean
+    expected = {
+        "NormTest": ((g_sq.sum() - N * mean_sq) / (N - 1) / (N * mean_sq)).sqrt(),
+        "InnerTest": (projections.var() / (N * mean_sq**2)).sqrt(),
+        "OrthoTest": (((g_sq - projections**2 / mean_sq).sum() / (N - 1)) / (N * mean_sq)).sqrt(),
+        "MeanGSNR": (mean**2 / ((g**2).mean(0) - mean**2 + 1e-5)).mean(),
+        "CABS": 0.1 * ((g**2).sum(0) - N * mean**2).sum() / (N * loss),
+        "EarlyStopping": 1 - N * (mean**2 / (((g**2).sum(0) - N * mean**2) / (N - 1) + 1e-5)).mean(),
+    }
+    for key, value in expected.items():
+        assert output[key] == pytest.approx(float(value), rel=rtol, abs=1e-9), key
+    norms = [float(e.mean(0).norm()) for e in expected_grads]
+    assert output["GradNorm"] == pytest.approx(norms, rel=rtol, abs=1e-9 if dtype == torch.float64 else 1e-6 * max(norms))
+    hist = output["GradHist1d"]
+    counts = _hist1d_expected(g.flatten(), *hist_range, 17)
+    assert_counts_close(hist["hist"], counts, [g.flatten()], [hist["edges"]], slack=0 if dtype == torch.float64 else 1)
+
+
+@pytest.mark.parametrize("name", ["gpt_like", "hf_gpt2", "residual_cnn", "lstm", "batch_norm_training"])
+def test_alpha_and_two_step_quantities_match_the_oracle(name):
+    model, batch, losses_of = build(name, torch.float64)
+    params = list(model.parameters())
+    lr = 0.1
+    opt = torch.optim.SGD(params, lr=lr)
+    tracked = [quantities.Alpha(EVERY), quantities.Distance(EVERY), quantities.UpdateSize(EVERY)]
+    cockpit = Cockpit(params, quantities=tracked)
+    gen = torch.Generator().manual_seed(1)
+    observed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x, y = batch(N, gen)
+            g = flat(_oracle(model, params, losses_of, x, y, {}))
+            losses, loss = _step(model, params, losses_of, x, y, cockpit, step, opt)
+            observed.append((g, losses, loss))
+            opt.step()
+            opt.zero_grad()
+        output = cockpit.get_output()
+    update = -lr * observed[0][0].mean(0)
+    size = update.norm()
+    projected = [gn @ update / size for gn, _, _ in observed]
+    dfs, df_vars = [p.mean() for p in projected], [p.var() for p in projected]
+    expected = _alpha(float(size), [float(o[2]) for o in observed], [float(d) for d in dfs],
+                      [float(o[1].var()) for o in observed], [float(v) for v in df_vars])
+    assert output[0]["Alpha"] == pytest.approx(expected, rel=1e-6)
+    # The first update, parameter by parameter: UpdateSize at step 0, Distance from the start at step 1.
+    first_update = (lr * observed[0][0].mean(0)).split([p.numel() for p in params])
+    moved = [float(u.norm()) for u in first_update]
+    assert output[0]["UpdateSize"] == pytest.approx(moved, rel=1e-6)
+    assert output[1]["Distance"] == pytest.approx(moved, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradient_metrics_match_the_oracle(name, dtype):
+    model, batch, losses_of = build(name, dtype)
+    params = list(model.parameters())
+    metrics = [gm.Max(model), gm.Min(model), gm.Mean(model), gm.MeanStd(model), gm.PNorm(model, p=2),
+               gm.PNorm(model, p=float("inf"))]
+    collector = GradientMetricCollector(metrics)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = collector(losses_of(model, x, y)).double()
+    g = flat(_oracle(model, params, losses_of, x, y, {}))
+    expected = torch.stack(
+        [g.amax(1), g.amin(1), g.mean(1), g.mean(1), (g.var(1) + 1e-32).sqrt(), g.norm(dim=1), g.abs().amax(1)], 1
+    )
+    torch.testing.assert_close(values, expected, rtol=RTOL[dtype], atol=1e-6 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt_like", "residual_cnn"])
+def test_one_sample(name):
+    model, batch, losses_of = build(name, torch.float64)
+    params = list(model.parameters())
+    x, y = batch(1, torch.Generator().manual_seed(1))
+    g = flat(_oracle(model, params, losses_of, x, y, {}))
+    hist_range = (-float(g.abs().max()), float(g.abs().max()))
+    cockpit = Cockpit(params, quantities=[quantities.GradHist1d(EVERY, bins=9, range=hist_range), quantities.MeanGSNR(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(model, params, losses_of, x, y, cockpit, 0, torch.optim.SGD(params, lr=0.1))
+    output = cockpit.get_output()[0]
+    assert_counts_close(output["GradHist1d"]["hist"], _hist1d_expected(g.flatten(), *hist_range, 9), [g.flatten()],
+                        [output["GradHist1d"]["edges"]])
+    mean = g.mean(0)
+    assert output["MeanGSNR"] == pytest.approx(float((mean**2 / ((g**2).mean(0) - mean**2 + 1e-5)).mean()), rel=1e-7)

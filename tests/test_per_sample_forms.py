@@ -1,0 +1,190 @@
+"""The per-sample engine's forms and rules: closed forms equal the statistics of the formed
+per-sample gradients, and every rule's per-sample gradients equal torch.func's."""
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_fast import per_sample
+from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
+from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
+from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads
+from conftest import values_near_edges
+
+ROUTES = ["auto", "factors", "grad_batch"]
+
+
+def _forms(dtype):
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    n = 6
+    ids = torch.randint(0, 7, (n, 4), generator=gen)
+    ids[0, :2] = 3  # a row looked up twice by one sample
+    ids[1] = 0  # a sample that looks up only the padding row
+    return {
+        "outer": FactoredGrads(randn(n, 1, 5), randn(n, 1, 7), (5, 7)),
+        "gram": FactoredGrads(randn(n, 3, 5), randn(n, 3, 7), (5, 7)),  # 3 * 12 < 35: pays
+        "long": FactoredGrads(randn(n, 9, 3), randn(n, 9, 4), (3, 4)),  # 9 * 7 > 12: forms
+        "rows": RowGrads.from_lookups(ids, randn(n, 4, 3), 7, skip=0),
+        "summed": combine([FactoredGrads(randn(n, 2, 5), randn(n, 2, 7), (5, 7)), DenseGrads(randn(n, 5, 7))]),
+        "joined": combine([FactoredGrads(randn(n, 1, 5), randn(n, 1, 7), (5, 7)), FactoredGrads(randn(n, 2, 5), randn(n, 2, 7), (5, 7))]),
+        "hooked": HookedGrads(FactoredGrads(randn(n, 1, 5), randn(n, 1, 7), (5, 7)), [lambda g: g.clamp(-0.3, 0.3)]),
+        "dense": DenseGrads(randn(n, 5, 7)),
+    }
+
+
+def _explicit(name, form):
+    """The dense per-sample gradients, built the obvious way."""
+    if isinstance(form, FactoredGrads):
+        return torch.einsum("ntp,ntq->npq", form.left, form.right).reshape(-1, *form.shape)
+    if isinstance(form, RowGrads):
+        out = torch.zeros(form.batch_size, *form.shape, dtype=form.rows.dtype)
+        for row, n, i in zip(form.rows, form.samples.tolist(), form.indices.tolist()):
+            out[n, i] += row
+        return out
+    if isinstance(form, SummedGrads):
+        return sum(_explicit(name, part) for part in form.parts)
+    if isinstance(form, HookedGrads):
+        return _explicit(name, form.form).clamp(-0.3, 0.3)
+    return form.values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(_forms(torch.float64)))
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, dtype, monkeypatch):
+    monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 80)  # several chunks of samples
+    form = _forms(dtype)[name]
+    dense = _explicit(name, form)
+    torch.testing.assert_close(form.dense(), dense)
+    n = form.batch_size
+    param = torch.randn(form.shape, dtype=dtype)
+    direction = torch.randn(form.shape, dtype=dtype)
+    largest = float((n * dense).abs().max())
+    hist1d, hist2d = Hist1d(13, (-0.6 * largest, 0.5 * largest)), Hist2d((5, 4), ((-0.5 * largest, 0.7 * largest), (-1, 1)))
+    requests = {BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, Projection("test", "d", lambda hot: direction), hist1d, hist2d}
+    values = compute_statistics(0, param, form, requests, route=route)
+    reference = compute_statistics(0, param, DenseGrads(dense), requests, route="grad_batch")
+    rtol = 1e-5 if dtype == torch.float32 else 1e-10
+    for statistic in requests:
+        actual, expected = values[statistic], reference[statistic]
+        if isinstance(statistic, (Hist1d, Hist2d)):
+            assert actual.sum() == expected.sum()
+            lo, hi = statistic.range if isinstance(statistic, Hist1d) else statistic.range[0]
+            bins = statistic.bins if isinstance(statistic, Hist1d) else statistic.bins[0]
+            assert (actual - expected).abs().sum() <= 2 * values_near_edges(n * dense, lo, hi, bins, tol=1e-3), statistic
+        else:
+            # Sums in another order: to the rounding of the largest value.
+            atol = rtol * float(expected.abs().max()) + 1e-12
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=repr(statistic))
+    rows = stats_rows(form, [1.0, 3.0])
+    torch.testing.assert_close(rows, stats_rows(DenseGrads(dense), [1.0, 3.0]), rtol=rtol, atol=1e-12)
+
+
+def test_outer_products_form_no_per_sample_gradient(monkeypatch):
+    def formed(*args):
+        raise AssertionError("a per-sample gradient was formed")
+
+    form = _forms(torch.float32)["outer"]
+    monkeypatch.setattr(FactoredGrads, "dense_range", formed)
+    requests = {BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, Hist1d(5, (-1, 1)), Hist2d((3, 3), ((-1, 1), (-1, 1)))}
+    compute_statistics(0, torch.randn(5, 7), form, requests)
+    stats_rows(form, [2.0])
+
+
+def test_chunks_bound_what_is_formed_at_once(monkeypatch):
+    monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 100)
+    form = FactoredGrads(torch.randn(10, 3, 5), torch.randn(10, 3, 7), (5, 7))
+    chunks = list(form.chunks())
+    assert [c.shape[0] for c in chunks] == [2, 2, 2, 2, 2]
+    torch.testing.assert_close(torch.cat(chunks), torch.einsum("nto,nti->noi", form.left, form.right))
+
+
+class HFConv1D(nn.Module):
+    """Hugging Face's Conv1D as it computes: x @ weight + bias, weight (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+per_sample.register_rule(HFConv1D)(per_sample.rules.hf_conv1d)
+
+# (layer, per-sample input shape, whether a rule covers every parameter)
+LAYERS = {
+    "linear": (lambda: nn.Linear(7, 5), (7,), True),
+    "linear_sequence": (lambda: nn.Linear(7, 5), (4, 3, 7), True),
+    "hf_conv1d": (lambda: HFConv1D(5, 7), (3, 7), True),
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1, dilation=2), (3, 11), True),
+    "conv1d_circular": (lambda: nn.Conv1d(3, 4, 3, padding="same", padding_mode="circular"), (3, 8), True),
+    "conv2d": (lambda: nn.Conv2d(3, 4, (3, 2), stride=2, padding=1, dilation=(2, 1)), (3, 9, 8), True),
+    "conv2d_same": (lambda: nn.Conv2d(3, 4, (2, 4), padding="same", dilation=(1, 2)), (3, 6, 7), True),
+    "conv2d_valid": (lambda: nn.Conv2d(3, 4, 3, padding="valid"), (3, 5, 6), True),
+    "conv2d_reflect": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 5, 6), True),
+    "conv2d_replicate": (lambda: nn.Conv2d(3, 4, 2, padding=1, padding_mode="replicate", bias=False), (3, 5, 5), True),
+    "conv2d_groups": (lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 6, 6), False),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (2, 3, 4, 3), False),
+    "layer_norm": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4), True),
+    "rms_norm": (lambda: nn.RMSNorm(4), (3, 4), True),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3), True),
+    "batch_norm_eval": (lambda: _eval_batch_norm(), (3, 5), True),
+}
+
+
+def _eval_batch_norm():
+    layer = nn.BatchNorm1d(3)
+    layer.running_mean.uniform_(-1, 1)
+    layer.running_var.uniform_(0.5, 2)
+    return layer.eval()
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rules_give_torch_func_per_sample_gradients(name):
+    make, shape, by_rule = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make().double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p))  # norms start at ones and zeros
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    target = torch.randn_like(layer(x))
+    params = list(layer.parameters())
+    capture = Capture(params)
+    loss = ((layer(x) - target) ** 2).flatten(1).sum(1).mean()
+    capture.arm()
+    loss.backward()
+    forms = capture.disarm()
+
+    names = dict(layer.named_parameters())
+
+    def one(p, xn, tn):
+        out = torch.func.functional_call(layer, p, (xn[None],))
+        return ((out - tn[None]) ** 2).sum() / x.shape[0]
+
+    expected = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))({k: v.detach() for k, v in names.items()}, x, target)
+    for key, p in names.items():
+        form = forms[id(p)]
+        assert isinstance(form, per_sample.generic.ModuleVjpGrads) != by_rule, key
+        torch.testing.assert_close(form.dense(), expected[key], rtol=1e-10, atol=1e-12, msg=key)
+        torch.testing.assert_close(form.grad, p.grad, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_embedding_rows_never_form_the_table():
+    layer = nn.Embedding(1000, 4, padding_idx=0).double()
+    ids = torch.randint(0, 1000, (6, 5))
+    capture = Capture([layer.weight])
+    loss = layer(ids).pow(2).sum((1, 2)).mean()
+    capture.arm()
+    loss.backward()
+    form = capture.disarm()[id(layer.weight)]
+    assert isinstance(form, RowGrads) and form.rows.shape[0] <= 30
+    expected = torch.zeros(6, 1000, 4, dtype=torch.float64)
+    for n in range(6):
+        for i in ids[n].tolist():
+            if i != 0:
+                expected[n, i] += 2 * layer.weight[i].detach() / 6
+    torch.testing.assert_close(form.dense(), expected)
