@@ -390,7 +390,11 @@ def collect_statistics(ctx, forms, route="auto"):
             if later:
                 ctx.deferred[index] = (param, form)
             now = now - later
-        for statistic, value in compute_statistics(index, param, form, now, route=route).items():
+        # The gradient autograd gave (not re-formed from the per-sample ones), while it is this
+        # process's alone.
+        grad = ctx.local_grads.get(index) if ctx.group is None else None
+        grad = None if grad is None else grad.detach()
+        for statistic, value in compute_statistics(index, param, form, now, grad, route).items():
             ctx.store(statistic, index, value)
 
 
@@ -410,8 +414,14 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
         return {}
     hot = HotParameter(index, param, form, grad=grad, route=route)
     values, from_chunks = {}, set()
-    for statistic in statistics:
+    # Dot products last: every form has them in closed form, at the cost of a weight-gradient
+    # product, which is wasted once another statistic has the gradients formed.
+    for statistic in sorted(statistics, key=lambda s: isinstance(s, (_DotMeanGrad, Projection))):
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
+        if value is None and route == "auto":
+            # The gradients are formed anyway: every statistic reads them in the same pass.
+            from_chunks, values = set(statistics), {}
+            break
         if value is None:
             from_chunks.add(statistic)
         else:

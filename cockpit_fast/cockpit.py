@@ -280,7 +280,9 @@ class _TrackedBackward:
 
     def __enter__(self):
         cockpit, ctx = self._cockpit, self._ctx
-        first_check = cockpit._tracked_steps == 0 or all(p.device.type == "cpu" for p in cockpit.params)
+        # What a model's structure decides is checked on the first tracked step (a sync on a GPU,
+        # and for the sums one more weight-gradient product per layer).
+        first_check = cockpit._tracked_steps == 0
         if first_check:
             _check_mean_loss(ctx)
         _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
@@ -288,8 +290,9 @@ class _TrackedBackward:
             self._whole_graph = _whole_graph_forms(cockpit._capture, ctx)
             cockpit._capture.arm()
         self._check_sums = bool(ctx.requests) and first_check
-        if ctx.group is not None or self._check_sums:
-            self._grads = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(ctx.global_step))
+        if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
+            keep_graph = cockpit.create_graph(ctx.global_step)
+            self._grads = GradientCapture(cockpit.params, keep_graph, copy=ctx.group is not None)
         for context in self._contexts:
             context.__enter__()
 

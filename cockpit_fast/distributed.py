@@ -57,15 +57,17 @@ class GradientCapture:
     Args:
         params (list[torch.Tensor]): The tracked parameters.
         keep_graph (bool): Keep the gradient's graph (for Hessian-vector products).
+        copy (bool): Keep a copy (DistributedDataParallel changes the gradient in place), not
+            the tensor autograd hands on. Defaults to ``True``.
     """
 
-    def __init__(self, params, keep_graph):
+    def __init__(self, params, keep_graph, copy=True):
         self.grads = {}
-        self._handles = [p.register_hook(self._keeper(i, keep_graph)) for i, p in enumerate(params)]
+        self._handles = [p.register_hook(self._keeper(i, keep_graph, copy)) for i, p in enumerate(params)]
 
-    def _keeper(self, index, keep_graph):
+    def _keeper(self, index, keep_graph, copy):
         def keep(grad):
-            self.grads[index] = grad if keep_graph else grad.detach().clone()
+            self.grads[index] = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
 
         return keep
 

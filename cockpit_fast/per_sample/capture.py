@@ -84,12 +84,19 @@ class Call:
         if rule is not None and len(grads) == 1 and grads[0] is not None and self.args:
             # Rules take the samples along dimension 0.
             first = lambda t: t.movedim(self.sample_dim, 0) if isinstance(t, torch.Tensor) and t.dim() > 1 else t  # noqa: E731
-            inputs = tuple(first(a) for a in self.args)
+            # Inputs shared by every sample (a batch of one, broadcast) reach each of them.
+            inputs = tuple(_broadcast(first(a), self.batch_size) for a in self.args)
             found = {name: form for name, form in (rule(self.module, inputs, first(grads[0])) or {}).items() if name in self.params}
         for name in self.params:
             if name not in found:
                 found[name] = ModuleVjpGrads(self, name, grads)
         return found
+
+
+def _broadcast(t, n):
+    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1 and n > 1:
+        return t.expand(n, *t.shape[1:])
+    return t
 
 
 class Capture:
@@ -101,7 +108,8 @@ class Capture:
 
     def __init__(self, params):
         self._tracked = {id(p): p for p in params}
-        self._frames = []  # (module, modules called inside it) of every call under way
+        self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
+        self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
         self._fired = None  # (call, output gradients) of the armed backward pass
         self.fired = []  # the same, of the last backward pass it was armed for
@@ -116,6 +124,8 @@ class Capture:
         weakref.finalize(self, lambda: [h.remove() for h in handles])
 
     def _enter(self, module):
+        if not self._frames:
+            self._batch = 1
         time_first = getattr(module, "batch_first", None) is False or (bool(self._frames) and self._frames[-1][2])
         self._frames.append((module, set(), time_first))
 
@@ -139,12 +149,22 @@ class Capture:
         if self._frames:
             self._frames[-1][1].update(claimed_inside, (id(p) for p in params.values()))
         if not params:
-            return
+            return None
+        sample_dim = 1 if time_first else 0
+        replaced = None
+        if isinstance(output, torch.Tensor) and output.dim() > sample_dim:
+            if output.shape[sample_dim] == 1 and self._batch > 1 and rules.rule_for(module) is not None:
+                # One call shared by every sample (positions looked up once, broadcast): its output,
+                # expanded, takes each sample's gradient; the expansion sums them as broadcasting did.
+                replaced = output.expand(*output.shape[:sample_dim], self._batch, *output.shape[sample_dim + 1 :])
+                outputs = [replaced]
+            self._batch = max(self._batch, outputs[0].shape[sample_dim])
         direct = {name for name, owner, _ in self._owned_by(module) if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
         self.recent.add(call)
         me = weakref.ref(self)
         torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
+        return replaced
 
     def _owned_by(self, module):
         if module not in self._owned:
@@ -196,5 +216,4 @@ class Capture:
 
 def _call(ref, method, *args):
     capture = ref()
-    if capture is not None:
-        getattr(capture, method)(*args)
+    return None if capture is None else getattr(capture, method)(*args)
