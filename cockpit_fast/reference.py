@@ -86,6 +86,9 @@ def per_sample_stats(g, scale=1.0, p_values=()):
         out[:, columns.MIN] = float("inf")
         return out
     mean = x.mean(1)
+    # A sum of values near the top of the range overflows, and may meet an infinity of the other
+    # sign (inf - inf = NaN); partial sums of x / d cannot overflow. The kernels do the same.
+    mean = torch.where(mean.isfinite(), mean, (x / d).sum(1))
     out[:, columns.MAX] = x.amax(1)
     out[:, columns.MIN] = x.amin(1)
     out[:, columns.MEAN] = mean
