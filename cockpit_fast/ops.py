@@ -5,6 +5,7 @@ stores them, and a ``scale`` that multiplies the values before the statistic (Co
 undo the 1/N of a mean-reduced loss). Sums come back in the accumulation dtype: float64 for
 float64 input, float32 for float32, float16 and bfloat16 (squares of float16 overflow early).
 
+The ops are statistics with no gradient: their results never require grad, whatever the inputs.
 Arguments are checked by one normaliser per op in :mod:`cockpit_fast._validation`, which the
 wrappers call before the fused op, the pure-torch twins before computing and the fake kernels
 before tracing: every route accepts the same arguments and rejects bad ones with the same

@@ -262,3 +262,19 @@ def test_the_fake_kernels_reject_what_the_kernels_reject():
         with fake_mode, pytest.raises(ValueError, match=match):
             call(fake_g, fake_param)
 
+
+def test_results_never_require_grad():
+    """The ops are statistics with no gradient: results are detached on every route, and the
+    ops trace under torch.compile with inputs that require grad."""
+    g = random_grad(3, (2,)).requires_grad_()
+    param = random_param((2,)).requires_grad_()
+    for module in (ops, reference):
+        for name, call in every_op_with_scale(g, param, 2.0).items():
+            for result in torch.utils._pytree.tree_leaves(call(module)):
+                assert not result.requires_grad and result.grad_fn is None, (module.__name__, name)
+    compiled = torch.compile(all_ops, fullgraph=True, backend="aot_eager")
+    for got, expected in zip(compiled(g, param), all_ops(g, param)):
+        assert not got.requires_grad and torch.equal(got, expected)
+    torch.library.opcheck(torch.ops.cockpit_fast.batch_l2.default, (g, 2.0))
+    torch.library.opcheck(torch.ops.cockpit_fast.hist2d.default, (g, param, 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
+    torch.library.opcheck(torch.ops.cockpit_fast.outer_hist2d.default, (g, g, param.expand(2, 2), 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
