@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from cockpit_fast._limits import MAX_BINS, MAX_P_VALUES  # noqa: F401  (re-exported)
+from cockpit_fast._limits import MAX_BINS, MAX_P_VALUES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
