@@ -7,6 +7,7 @@ TORCH_CUDA_ARCH_LIST defaults to Ampere and Hopper ("8.0;9.0").
 
 import glob
 import os
+import runpy
 
 from setuptools import find_packages, setup
 
@@ -38,10 +39,14 @@ def extension():
     # No FMA contraction: the histogram bin arithmetic must round exactly as torch's does.
     # No trapping math / errno: lets selects on floats vectorise; results are unchanged.
     cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
+    # The argument limits, written once in Python (read without importing the package).
+    limits = runpy.run_path(os.path.join(ROOT, "cockpit_fast", "_limits.py"))
+    macros = [(f"COCKPIT_FAST_{name}", str(limits[name])) for name in ("MAX_P_VALUES", "MAX_BINS")]
     kwargs = dict(
         name="cockpit_fast._C",
         include_dirs=[os.path.join(ROOT, "csrc", "include")],
         extra_link_args=["-fopenmp"],
+        define_macros=macros,
     )
     if build_with_cuda():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))

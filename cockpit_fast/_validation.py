@@ -1,21 +1,30 @@
-"""Argument checks shared by the fake kernels and the pure-torch reference.
+"""The argument rules of every op, applied before any kernel runs.
 
-The C++ ops make the same checks with ``TORCH_CHECK_VALUE`` (csrc/include/cockpit_fast/checks.h),
-so every path raises ``ValueError`` with a message that names the op and the problem.
+The wrappers in :mod:`cockpit_fast.ops`, the pure-torch twins in :mod:`cockpit_fast.reference`
+and the fake kernels call the same normaliser (``<op>_args``), so every path accepts the same
+arguments and rejects the others with the same ``ValueError``, naming the op and the problem:
+
+* tensors are ``torch.Tensor``;
+* a count (``bins``) is a Python or NumPy integer or a 0-d integer tensor, never a bool;
+* a number (``scale``, range bounds, p values) is a Python or NumPy real number or a 0-d real
+  tensor, never a bool;
+* a pair (a range, 2D bins) is a tuple or list of two; ``p_values`` a tuple or list of numbers.
+
+The C++ ops repeat the value checks with ``TORCH_CHECK_VALUE`` (csrc/include/cockpit_fast/checks.h)
+for direct ``torch.ops.cockpit_fast`` calls, whose argument types the op schemas fix; the limits
+they share are written once, in :mod:`cockpit_fast._limits`.
 """
 
 import math
+import numbers
+import operator
 import struct
 
 import torch
 
+from cockpit_fast._limits import MAX_BINS, MAX_P_VALUES
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-#: Most p values one ``per_sample_stats`` call accepts (fixed-size state in the kernels).
-MAX_P_VALUES = 8
-
-#: Most cells one histogram may have (int32 slots in the kernels; float32 resolves no more).
-MAX_BINS = 2**24
 
 
 def accumulation_dtype(dtype):
@@ -23,9 +32,45 @@ def accumulation_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_tensor(op, t, name):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(t).__name__}")
+
+
+def _is_0d_tensor(value, kinds):
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and (
+        kinds == "integer" and not value.dtype.is_floating_point and not value.dtype.is_complex
+        or kinds == "real" and not value.dtype.is_complex
+    )
+
+
+def as_count(op, value, name):
+    """``value`` as a positive int (see the module's rules)."""
+    integer = not isinstance(value, (bool, torch.Tensor)) or _is_0d_tensor(value, "integer")
+    try:
+        count = operator.index(value) if integer else None
+    except TypeError:
+        count = None
+    if count is None or count <= 0:
+        raise ValueError(f"cockpit_fast.{op}: {name} must be a positive integer, got {value!r}")
+    return count
+
+
+def as_number(op, value, name):
+    """``value`` as a float (see the module's rules)."""
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) or _is_0d_tensor(value, "real")):
+        raise ValueError(f"cockpit_fast.{op}: {name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def as_pair(op, value, name, what):
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"cockpit_fast.{op}: {name} must be a pair {what}, got {value!r}")
+    return value
+
+
 def check_grad(op, g):
-    if not isinstance(g, torch.Tensor):
-        raise ValueError(f"cockpit_fast.{op}: g must be a tensor, got {type(g).__name__}")
+    check_tensor(op, g, "g")
     if g.dim() < 1:
         raise ValueError(
             f"cockpit_fast.{op}: g must have a leading batch dimension (N, *param_shape), "
@@ -39,8 +84,7 @@ def check_grad(op, g):
 
 def check_companion(op, g, other, name):
     """``other`` (a parameter or a direction) must have ``g``'s per-sample shape, device and dtype."""
-    if not isinstance(other, torch.Tensor):
-        raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(other).__name__}")
+    check_tensor(op, other, name)
     if other.device != g.device:
         raise ValueError(
             f"cockpit_fast.{op}: g is on {g.device} but {name} is on {other.device}"
@@ -57,8 +101,7 @@ def check_companion(op, g, other, name):
 def check_factors(op, left, right, scale):
     """Factors (N, p) and (N, q) of per-sample outer products: 2-d, float, same N, dtype, device."""
     for name, t in (("left", left), ("right", right)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(t).__name__}")
+        check_tensor(op, t, name)
         if t.dim() != 2:
             raise ValueError(
                 f"cockpit_fast.{op}: {name} must be a 2-d (N, features) tensor, got a {t.dim()}-d tensor"
@@ -76,13 +119,7 @@ def check_factors(op, left, right, scale):
             f"cockpit_fast.{op}: left and right must have the same number of samples, "
             f"got {left.shape[0]} and {right.shape[0]}"
         )
-    check_scale(op, scale, left.dtype)
-    return float(scale)
-
-
-def check_bins(op, bins, axis=""):
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
-        raise ValueError(f"cockpit_fast.{op}: {axis}bins must be a positive integer, got {bins!r}")
+    return check_scale(op, scale, left.dtype)
 
 
 def check_cells(op, cells):
@@ -105,10 +142,12 @@ def _accumulated(dtype):
     return _to_float32, "float32"
 
 
-def check_range(op, lo, hi, bins, dtype, axis=""):
-    """Finite, ordered bounds whose bins can be computed in ``dtype``'s accumulation type: a range
-    fine in double can overflow (span * bins) or round to nothing (the bin width) in float32."""
-    lo, hi = float(lo), float(hi)
+def check_range(op, range, bins, dtype, axis=""):
+    """``(lo, hi)``: finite, ordered bounds whose bins can be computed in ``dtype``'s accumulation
+    type: a range fine in double can overflow (span * bins) or round to nothing (the bin width)
+    in float32."""
+    lo, hi = as_pair(op, range, f"{axis}range", "(lo, hi)")
+    lo, hi = as_number(op, lo, f"{axis}range's lo"), as_number(op, hi, f"{axis}range's hi")
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError(f"cockpit_fast.{op}: {axis}range bounds must be finite, got ({lo}, {hi})")
     if not lo < hi:
@@ -121,66 +160,68 @@ def check_range(op, lo, hi, bins, dtype, axis=""):
             f"cockpit_fast.{op}: {axis}range ({lo}, {hi}) with {bins} bins overflows or rounds to "
             f"nothing in {precision}, the precision the bins are computed in"
         )
+    return lo, hi
 
 
 def check_scale(op, scale, dtype):
     """``scale`` multiplies every value in ``dtype``'s accumulation type: it must be finite there."""
+    scale = as_number(op, scale, "scale")
     rounded, precision = _accumulated(dtype)
-    if not math.isfinite(rounded(float(scale))):
+    if not math.isfinite(rounded(scale)):
         raise ValueError(
             f"cockpit_fast.{op}: scale must be finite in {precision}, the precision it multiplies in, "
             f"got {scale}"
         )
+    return scale
 
 
 def check_p_values(op, p_values, dtype):
     """At most MAX_P_VALUES values, finite and > 0 in ``dtype``'s accumulation type."""
+    if not isinstance(p_values, (tuple, list)):
+        raise ValueError(f"cockpit_fast.{op}: p_values must be a tuple or list of numbers, got {p_values!r}")
     rounded, precision = _accumulated(dtype)
     if len(p_values) > MAX_P_VALUES:
         raise ValueError(
             f"cockpit_fast.{op}: at most {MAX_P_VALUES} p values per call, got {len(p_values)}"
         )
+    p_values = [as_number(op, p, "a p value") for p in p_values]
     for p in p_values:
         if not (math.isfinite(rounded(p)) and rounded(p) > 0):
             raise ValueError(
                 f"cockpit_fast.{op}: p values must be finite and > 0 in {precision} (use the "
                 f"max_abs column for p = inf), got {p}"
             )
+    return p_values
 
 
-# One normaliser per op: used by the reference twins and by the fake kernels alike.
+# One normaliser per op, returning its checked arguments: used by the wrappers before they
+# dispatch, by the reference twins and by the fake kernels alike.
 
 
 def grad_args(op, g, scale):
     check_grad(op, g)
-    check_scale(op, scale, g.dtype)
-    return float(scale)
+    return check_scale(op, scale, g.dtype)
+
+
+def binning_1d(op, bins, range, dtype):
+    """``bins, lo, hi`` of a 1D histogram of ``dtype`` values, checked."""
+    bins = as_count(op, bins, "bins")
+    check_cells(op, bins)
+    return (bins, *check_range(op, range, bins, dtype))
+
+
+def binning_2d(op, bins, range, dtype):
+    """``(xbins, ybins), (xlo, xhi), (ylo, yhi)`` of a 2D histogram of ``dtype`` values, checked."""
+    xbins, ybins = as_pair(op, bins, "bins", "(xbins, ybins)")
+    xbins, ybins = as_count(op, xbins, "x bins"), as_count(op, ybins, "y bins")
+    check_cells(op, xbins * ybins)
+    xrange, yrange = as_pair(op, range, "range", "((xlo, xhi), (ylo, yhi))")
+    return (xbins, ybins), check_range(op, xrange, xbins, dtype, "x "), check_range(op, yrange, ybins, dtype, "y ")
 
 
 def hist1d_args(g, bins, range, scale):
     scale = grad_args("hist1d", g, scale)
     return (*binning_1d("hist1d", bins, range, g.dtype), scale)
-
-
-def binning_1d(op, bins, range, dtype):
-    """``bins, lo, hi`` of a 1D histogram of ``dtype`` values, checked."""
-    check_bins(op, bins)
-    check_cells(op, bins)
-    lo, hi = range
-    check_range(op, lo, hi, bins, dtype)
-    return bins, float(lo), float(hi)
-
-
-def binning_2d(op, bins, range, dtype):
-    """``(xbins, ybins), (xlo, xhi), (ylo, yhi)`` of a 2D histogram of ``dtype`` values, checked."""
-    xbins, ybins = bins
-    (xlo, xhi), (ylo, yhi) = range
-    check_bins(op, xbins, "x ")
-    check_bins(op, ybins, "y ")
-    check_cells(op, xbins * ybins)
-    check_range(op, xlo, xhi, xbins, dtype, "x ")
-    check_range(op, ylo, yhi, ybins, dtype, "y ")
-    return (xbins, ybins), (float(xlo), float(xhi)), (float(ylo), float(yhi))
 
 
 def hist2d_args(g, param, bins, range, scale):
@@ -197,9 +238,7 @@ def batch_dot_args(g, direction, scale):
 
 def per_sample_stats_args(g, scale, p_values):
     scale = grad_args("per_sample_stats", g, scale)
-    p_values = [float(p) for p in p_values]
-    check_p_values("per_sample_stats", p_values, g.dtype)
-    return scale, p_values
+    return scale, check_p_values("per_sample_stats", p_values, g.dtype)
 
 
 def outer_hist1d_args(left, right, bins, range, scale):
@@ -209,8 +248,7 @@ def outer_hist1d_args(left, right, bins, range, scale):
 
 def outer_hist2d_args(left, right, param, bins, range, scale):
     scale = check_factors("outer_hist2d", left, right, scale)
-    if not isinstance(param, torch.Tensor):
-        raise ValueError(f"cockpit_fast.outer_hist2d: param must be a tensor, got {type(param).__name__}")
+    check_tensor("outer_hist2d", param, "param")
     if param.device != left.device:
         raise ValueError(f"cockpit_fast.outer_hist2d: left is on {left.device} but param is on {param.device}")
     if param.dtype != left.dtype:

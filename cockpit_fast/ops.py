@@ -5,6 +5,12 @@ stores them, and a ``scale`` that multiplies the values before the statistic (Co
 undo the 1/N of a mean-reduced loss). Sums come back in the accumulation dtype: float64 for
 float64 input, float32 for float32, float16 and bfloat16 (squares of float16 overflow early).
 
+The ops are statistics with no gradient: their results never require grad, whatever the inputs.
+Arguments are checked by one normaliser per op in :mod:`cockpit_fast._validation`, which the
+wrappers call before the fused op, the pure-torch twins before computing and the fake kernels
+before tracing: every route accepts the same arguments and rejects bad ones with the same
+``ValueError``.
+
 When the C++ extension is not built, or ``COCKPIT_FAST_REFERENCE=1`` is set, the wrappers run the
 pure-torch twins in :mod:`cockpit_fast.reference` and warn once; ``has_extension()`` tells which.
 """
@@ -66,21 +72,21 @@ def batch_l2(g, scale=1.0):
     """Per-sample squared norms sum_j (scale * g[n, j])^2, shape (N,)."""
     if _use_reference():
         return reference.batch_l2(g, scale)
-    return _OPS.batch_l2.default(g, float(scale))
+    return _OPS.batch_l2.default(g, v.grad_args("batch_l2", g, scale))
 
 
 def sum_grad_squared(g, scale=1.0):
     """sum_n (scale * g[n])^2, shape g.shape[1:]."""
     if _use_reference():
         return reference.sum_grad_squared(g, scale)
-    return _OPS.sum_grad_squared.default(g, float(scale))
+    return _OPS.sum_grad_squared.default(g, v.grad_args("sum_grad_squared", g, scale))
 
 
 def batch_l2_and_sum_grad_squared(g, scale=1.0):
     """``(batch_l2(g, scale), sum_grad_squared(g, scale))`` from one pass over g."""
     if _use_reference():
         return reference.batch_l2_and_sum_grad_squared(g, scale)
-    return _OPS.batch_l2_and_sum_grad_squared.default(g, float(scale))
+    return _OPS.batch_l2_and_sum_grad_squared.default(g, v.grad_args("batch_l2_and_sum_grad_squared", g, scale))
 
 
 def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
@@ -90,8 +96,7 @@ def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
     """
     if _use_reference():
         return reference.hist1d(g, bins, range, scale)
-    lo, hi = range
-    return _OPS.hist1d.default(g, bins, float(lo), float(hi), float(scale))
+    return _OPS.hist1d.default(g, *v.hist1d_args(g, bins, range, scale))
 
 
 def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
@@ -102,24 +107,22 @@ def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0)
     """
     if _use_reference():
         return reference.hist2d(g, param, bins, range, scale)
-    (xbins, ybins), ((xlo, xhi), (ylo, yhi)) = bins, range
-    return _OPS.hist2d.default(
-        g, param, xbins, ybins, float(xlo), float(xhi), float(ylo), float(yhi), float(scale)
-    )
+    (xbins, ybins), (xlo, xhi), (ylo, yhi), scale = v.hist2d_args(g, param, bins, range, scale)
+    return _OPS.hist2d.default(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale)
 
 
 def batch_dot(g, direction, scale=1.0):
     """scale * <g[n], direction> for every sample, shape (N,)."""
     if _use_reference():
         return reference.batch_dot(g, direction, scale)
-    return _OPS.batch_dot.default(g, direction, float(scale))
+    return _OPS.batch_dot.default(g, direction, v.batch_dot_args(g, direction, scale))
 
 
 def per_sample_stats(g, scale=1.0, p_values=()):
     """Rows of max, min, mean, M2, max|x|, sum|x|^p per sample; see :mod:`cockpit_fast.stats`."""
     if _use_reference():
         return reference.per_sample_stats(g, scale, p_values)
-    return _OPS.per_sample_stats.default(g, float(scale), [float(p) for p in p_values])
+    return _OPS.per_sample_stats.default(g, *v.per_sample_stats_args(g, scale, p_values))
 
 
 def outer_hist1d(left, right, bins=100, range=(-2.0, 2.0), scale=1.0):
@@ -131,8 +134,7 @@ def outer_hist1d(left, right, bins=100, range=(-2.0, 2.0), scale=1.0):
     """
     if _use_reference():
         return reference.outer_hist1d(left, right, bins, range, scale)
-    lo, hi = range
-    return _OPS.outer_hist1d.default(left, right, bins, float(lo), float(hi), float(scale))
+    return _OPS.outer_hist1d.default(left, right, *v.outer_hist1d_args(left, right, bins, range, scale))
 
 
 def outer_hist2d(left, right, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
@@ -142,10 +144,8 @@ def outer_hist2d(left, right, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2
     """
     if _use_reference():
         return reference.outer_hist2d(left, right, param, bins, range, scale)
-    (xbins, ybins), ((xlo, xhi), (ylo, yhi)) = bins, range
-    return _OPS.outer_hist2d.default(
-        left, right, param, xbins, ybins, float(xlo), float(xhi), float(ylo), float(yhi), float(scale)
-    )
+    (xbins, ybins), (xlo, xhi), (ylo, yhi), scale = v.outer_hist2d_args(left, right, param, bins, range, scale)
+    return _OPS.outer_hist2d.default(left, right, param, xbins, ybins, xlo, xhi, ylo, yhi, scale)
 
 
 def _register_fake_kernels():

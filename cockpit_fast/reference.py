@@ -3,7 +3,8 @@
 These are the test oracle and the fallback when the C++ extension is not built. Each one
 materialises the intermediate tensors the fused kernels avoid (the scaled copy, the clamped copy,
 the expanded parameter, the index tensor). Values are computed in the accumulation dtype
-(float64 for float64 input, float32 otherwise), exactly like the kernels.
+(float64 for float64 input, float32 otherwise), exactly like the kernels. Like the ops, they
+have no gradient: their results never require grad.
 """
 
 import math
@@ -20,18 +21,21 @@ def _scaled(g, scale):
     return (scale * x).reshape(g.shape[0], math.prod(g.shape[1:]))  # explicit: N may be 0
 
 
+@torch.no_grad()
 def batch_l2(g, scale=1.0):
     """Per-sample squared norm: sum_j (scale * g[n, j])^2, shape (N,)."""
     scale = v.grad_args("batch_l2", g, scale)
     return (_scaled(g, scale) ** 2).sum(1)
 
 
+@torch.no_grad()
 def sum_grad_squared(g, scale=1.0):
     """sum_n (scale * g[n])^2, shape g.shape[1:]."""
     scale = v.grad_args("sum_grad_squared", g, scale)
     return (_scaled(g, scale) ** 2).sum(0).reshape(g.shape[1:])
 
 
+@torch.no_grad()
 def batch_l2_and_sum_grad_squared(g, scale=1.0):
     """Both of the above; the fused op reads g once for the two."""
     scale = v.grad_args("batch_l2_and_sum_grad_squared", g, scale)
@@ -39,6 +43,7 @@ def batch_l2_and_sum_grad_squared(g, scale=1.0):
     return squares.sum(1), squares.sum(0).reshape(g.shape[1:])
 
 
+@torch.no_grad()
 def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
     """Counts of scale * g clamped into [lo, hi], binned like torch.histc; NaN is not counted."""
     bins, lo, hi, scale = v.hist1d_args(g, bins, range, scale)
@@ -46,6 +51,7 @@ def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
     return torch.histc(clamped, bins=bins, min=lo, max=hi).float()
 
 
+@torch.no_grad()
 def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
     """2D counts over (scale * g[n, j], param[j]), both clamped to the centres of the outer bins.
 
@@ -68,6 +74,7 @@ def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0)
     return hist.reshape(xbins, ybins).float()
 
 
+@torch.no_grad()
 def batch_dot(g, direction, scale=1.0):
     """scale * <g[n], direction> for every sample, shape (N,)."""
     scale = v.batch_dot_args(g, direction, scale)
@@ -75,6 +82,7 @@ def batch_dot(g, direction, scale=1.0):
     return torch.einsum("nd,d->n", x, direction.to(x.dtype).flatten())
 
 
+@torch.no_grad()
 def per_sample_stats(g, scale=1.0, p_values=()):
     """One row per sample: max, min, mean, M2, max|x|, then sum |x|^p per p (see cockpit_fast.stats)."""
     scale, p_values = v.per_sample_stats_args(g, scale, p_values)
@@ -86,6 +94,9 @@ def per_sample_stats(g, scale=1.0, p_values=()):
         out[:, columns.MIN] = float("inf")
         return out
     mean = x.mean(1)
+    # A sum of values near the top of the range overflows, and may meet an infinity of the other
+    # sign (inf - inf = NaN); partial sums of x / d cannot overflow. The kernels do the same.
+    mean = torch.where(mean.isfinite(), mean, (x / d).sum(1))
     out[:, columns.MAX] = x.amax(1)
     out[:, columns.MIN] = x.amin(1)
     out[:, columns.MEAN] = mean
@@ -101,12 +112,14 @@ def _outer_products(left, right):
     return left[:, :, None] * right[:, None, :]
 
 
+@torch.no_grad()
 def outer_hist1d(left, right, bins=100, range=(-2.0, 2.0), scale=1.0):
     """:func:`hist1d` of the per-sample outer products ``left[n] right[n]^T``, formed in full."""
     bins, lo, hi, scale = v.outer_hist1d_args(left, right, bins, range, scale)
     return hist1d(_outer_products(left, right), bins, (lo, hi), scale)
 
 
+@torch.no_grad()
 def outer_hist2d(left, right, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
     """:func:`hist2d` of the per-sample outer products ``left[n] right[n]^T`` against ``param``."""
     bins, xrange, yrange, scale = v.outer_hist2d_args(left, right, param, bins, range, scale)

@@ -8,6 +8,21 @@ extern "C" PyObject* PyInit__C(void) {
   return PyModule_Create(&module);
 }
 
+namespace {
+
+constexpr const char* kOps[] = {"batch_l2",  "sum_grad_squared",  "batch_l2_and_sum_grad_squared",
+                                "hist1d",    "hist2d",            "batch_dot",
+                                "per_sample_stats", "outer_hist1d", "outer_hist2d"};
+
+// The ops are statistics with no gradient: below autograd, so that their results never require
+// grad, as the Python twins' (torch.no_grad) do not, and nothing records a backward that does
+// nothing.
+void without_gradient(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+}  // namespace
+
 TORCH_LIBRARY(cockpit_fast, m) {
   m.def("batch_l2(Tensor g, float scale) -> Tensor");
   m.def("sum_grad_squared(Tensor g, float scale) -> Tensor");
@@ -22,4 +37,10 @@ TORCH_LIBRARY(cockpit_fast, m) {
   m.def(
       "outer_hist2d(Tensor left, Tensor right, Tensor param, int xbins, int ybins, float xlo, "
       "float xhi, float ylo, float yhi, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cockpit_fast, Autograd, m) {
+  for (const char* name : kOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&without_gradient>());
+  }
 }

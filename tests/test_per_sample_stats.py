@@ -160,6 +160,27 @@ def test_mean_of_values_near_the_top_of_the_range(device, dtype):
         torch.testing.assert_close(mean, expected, rtol=1e-5, atol=big * 1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_an_overflowing_sum_beside_an_infinity_keeps_the_mean(device, dtype):
+    # Finite values whose sum overflows, next to a true infinity: the mean is that infinity (NaN
+    # with both signs), not the NaN of inf - inf. Short rows, rows long enough to be merged from
+    # pieces, and the rows split into two parameters merged by stats.merge.
+    big = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max / 1.2
+    short = torch.tensor(
+        [[-big, big, -math.inf], [big, big, -math.inf], [-big, -big, math.inf], [big, -math.inf, math.inf], [big, big, -big]],
+        dtype=torch.float64,
+    ).to(dtype)
+    for g in (short, short.repeat(1, 3000)):
+        expected = (g.double() / g.shape[1]).sum(1)  # partial sums that cannot overflow in float64
+        assert expected[:3].tolist() == [-math.inf, -math.inf, math.inf] and expected[3].isnan()
+        for result in (ops.per_sample_stats(g.to(device)), reference.per_sample_stats(g.double())):
+            torch.testing.assert_close(result[:, stats.MEAN].double().cpu(), expected, rtol=1e-5, atol=0, equal_nan=True)
+    parts = [(ops.per_sample_stats(short[:, :2].to(device)), 2), (ops.per_sample_stats(short[:, 2:].to(device)), 1)]
+    merged, _ = stats.merge(parts)
+    torch.testing.assert_close(merged[:, stats.MEAN].double().cpu(), (short.double() / 3).sum(1), rtol=1e-5, atol=0, equal_nan=True)
+
+
 def test_merging_an_empty_part_is_the_identity():
     empty, full = ops.per_sample_stats(torch.zeros(2, 0)), ops.per_sample_stats(torch.full((2, 3), 1e20))
     for parts in ([(empty, 0), (full, 3)], [(full, 3), (empty, 0)]):

@@ -184,7 +184,7 @@ struct ShiftedTerm {  // x - shift
 };
 
 template <typename acc_t>
-struct DividedTerm {  // x / count: a sum that cannot overflow where the values are finite
+struct DividedTerm {  // x / count: partial sums stay within the values' own range
   acc_t count;
   C10_HOST_DEVICE acc_t operator()(acc_t x) const { return x / count; }
 };
@@ -260,12 +260,11 @@ C10_HOST_DEVICE inline Summary<acc_t> summarize_values(const acc_t* values, int6
   // Shifting by an infinite value would turn every difference into NaN.
   const acc_t shift = values[0] - values[0] == 0 ? values[0] : acc_t(0);
   s.mean = shift + lane_sum(values, len, ShiftedTerm<acc_t>{shift}) / s.count;
-  // Finite values of both signs near the top of the range overflow x - shift or its sum;
-  // their mean is finite, and summing x / count reaches it (rarely needed: a second pass).
-  // (max and min are NaN where any value is, so finite extremes mean finite values.)
-  if (s.mean - s.mean != 0 && s.max - s.max == 0 && s.min - s.min == 0) {
-    s.mean = lane_sum(values, len, DividedTerm<acc_t>{s.count});
-  }
+  // Finite values of both signs near the top of the range overflow x - shift or its sum, and
+  // that overflow can meet a true infinity of the other sign (inf - inf = NaN). Partial sums of
+  // x / count never overflow, so they give the mean whenever the first sum is not finite: a
+  // finite mean, the sign of the infinities present, or NaN (rarely needed: a second pass).
+  if (s.mean - s.mean != 0) s.mean = lane_sum(values, len, DividedTerm<acc_t>{s.count});
   s.m2 = lane_sum(values, len, CentredSquareTerm<acc_t>{s.mean});
   for (int j = 0; j < p.count; ++j) s.pow_sum[j] = pow_sum(values, len, p.p[j]);
   return s;

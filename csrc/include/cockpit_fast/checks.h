@@ -1,5 +1,6 @@
-// Input checks shared by the CPU and CUDA entry points. Every failure is a ValueError that names
-// the op and the problem; the Python fake kernels (cockpit_fast/_validation.py) say the same.
+// Input checks shared by the CPU and CUDA entry points, for direct torch.ops.cockpit_fast calls:
+// the Python wrappers check every argument with cockpit_fast/_validation.py before dispatching.
+// Every failure is a ValueError that names the op and the problem, as the Python checks say it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,13 +12,18 @@
 
 namespace cockpit_fast {
 
+// The limits are written once, in cockpit_fast/_limits.py; setup.py passes them in.
+#if !defined(COCKPIT_FAST_MAX_P_VALUES) || !defined(COCKPIT_FAST_MAX_BINS)
+#error "build with setup.py, which defines the limits of cockpit_fast/_limits.py"
+#endif
+
 // Most p values one per_sample_stats call takes: the kernels keep one running sum per p in a
-// fixed-size state. Mirrored by MAX_P_VALUES in cockpit_fast/_validation.py.
-constexpr int kMaxP = 8;
+// fixed-size state.
+constexpr int kMaxP = COCKPIT_FAST_MAX_P_VALUES;
 
 // Most cells one histogram may have: slots are int32, and float32 values cannot resolve more
-// bins than this anyway. Mirrored by MAX_BINS in cockpit_fast/_validation.py.
-constexpr int64_t kMaxBins = int64_t(1) << 24;
+// bins than this anyway.
+constexpr int64_t kMaxBins = COCKPIT_FAST_MAX_BINS;
 
 inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
@@ -27,10 +33,11 @@ inline const char* accumulation_name(at::ScalarType dtype) {
   return accumulation_dtype(dtype) == at::kDouble ? "float64" : "float32";
 }
 
-// v as the kernels use it: rounded to the accumulation type of `dtype` (+-inf beyond float32).
+// v as the kernels use it: rounded to the accumulation type of `dtype`, to nearest as the cast
+// rounds (a v just above float32's max rounds to it; from the midpoint to 2^128 on, to +-inf).
 inline double as_accumulated(double v, at::ScalarType dtype) {
   if (accumulation_dtype(dtype) == at::kDouble || !std::isfinite(v)) return v;
-  if (std::fabs(v) > std::numeric_limits<float>::max()) return std::copysign(INFINITY, v);
+  if (std::fabs(v) >= 0x1.ffffffp127) return std::copysign(INFINITY, v);
   return static_cast<float>(v);
 }
 
