@@ -11,7 +11,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import json_tricks
 import pytest
 import torch
 
@@ -47,8 +46,10 @@ def run_module(*args):
 
 
 def read_log(path):
-    """A cockpit's JSON log as written (json_tricks: histograms come back as NumPy arrays)."""
-    return json_tricks.loads(Path(path).read_text())
+    """A cockpit's JSON log as written (histograms come back as NumPy arrays)."""
+    from cockpit_fast.instruments.tracking_log import read_output
+
+    return read_output(str(path))
 
 
 def image_pixels(path):
