@@ -20,8 +20,8 @@ def require(module, package, purpose, extra=None, note=""):
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:
-        # Only the package itself missing; a module missing inside an installed package is its own bug.
-        if error.name is None or error.name.split(".")[0] != module.split(".")[0]:
+        # The module or a package above it is missing; what an installed package fails to import is its own error.
+        if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
             raise
         install = f"pip install {package}" + (f" (or pip install 'cockpit-fast[{extra}]')" if extra else "")
         raise MissingDependency(f"{purpose} needs {package}, which is not installed: {install}{note}") from None
