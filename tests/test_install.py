@@ -158,8 +158,8 @@ def run(command, cwd, **kwargs):
 
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
-    """A new venv with this torch version, numpy and ninja (parallel compiles), a copy of the source tree, and a folder
-    outside both to run from."""
+    """A new venv with this torch version, numpy and ninja (parallel compiles), a copy of the
+    source tree, and a folder outside both to run from."""
     root = tmp_path_factory.mktemp("install")
     source = root / "source"
     for name in SOURCES:
