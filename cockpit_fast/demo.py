@@ -24,9 +24,7 @@ from cockpit_fast._optional import MissingDependency, require
 LEARNING_RATE = 0.3  # plain SGD, the optimizer all of Cockpit's quantities support
 VALIDATION_FRACTION = 0.2
 PARAMETER_SEPARATOR = "/"
-
-
-COCKPIT_ORIGINAL = "1.0.2"
+COCKPIT_ORIGINAL = "1.0.2"  # the Cockpit release the demo compares with
 
 
 class UsageError(ValueError):
@@ -210,7 +208,7 @@ def evaluate(model, images, labels):
 
 
 class TrackedTraining:
-    """Plain SGD on a BackPACK-extended copy of ``model`` under a cockpit of ``cockpit_package``.
+    """Plain SGD on ``model`` (extended by BackPACK in place) under a cockpit of ``cockpit_package``.
 
     ``cockpit_package`` is ``cockpit_fast`` or Cockpit 1.0.2's ``cockpit``: both have the same
     ``Cockpit``, ``utils.schedules`` and ``utils.configuration``, so both run the very same steps.
