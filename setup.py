@@ -1,5 +1,7 @@
 """Builds cockpit_fast._C: the CPU kernels always, the CUDA kernels when CUDA can be built.
 
+The package's metadata is in pyproject.toml. The extension is compiled against the installed
+torch, which must be importable here: build with `pip install --no-build-isolation .`.
 CUDA is built when the installed torch has CUDA and nvcc is found (CUDA_HOME, else
 /usr/local/cuda), or when FORCE_CUDA=1; FORCE_ONLY_CPU=1 builds the CPU kernels only.
 TORCH_CUDA_ARCH_LIST defaults to Ampere and Hopper ("8.0;9.0").
@@ -8,14 +10,34 @@ TORCH_CUDA_ARCH_LIST defaults to Ampere and Hopper ("8.0;9.0").
 import glob
 import os
 import runpy
+import shutil
+import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
 
-import torch  # noqa: E402  (CUDA_HOME must be set before cpp_extension looks for it)
+
+def stop(problem, fix):
+    """End the build with one message (pip shows it in its error output)."""
+    sys.exit(f"\ncockpit_fast cannot be built: {problem}.\n{fix}\n")
+
+
+try:
+    import torch  # noqa: E402  (CUDA_HOME must be set before cpp_extension looks for it)
+except ImportError:
+    stop(
+        "torch is not installed in this build environment (pip builds in an isolated one by default)",
+        "Install torch first, then build against it: pip install --no-build-isolation .",
+    )
+if shutil.which(os.environ.get("CXX", "c++")) is None:
+    stop(
+        f"no C++ compiler ({os.environ.get('CXX', 'c++')}) is on the PATH",
+        "Install one (Debian/Ubuntu: apt-get install g++; or set CXX), then: pip install --no-build-isolation .",
+    )
+
 from torch.utils.cpp_extension import (  # noqa: E402
     CUDA_HOME,
     BuildExtension,
@@ -55,15 +77,4 @@ def extension():
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
-setup(
-    name="cockpit_fast",
-    version="0.1.0",
-    description="Fused per-sample gradient statistics for Cockpit and gradient-metrics users",
-    packages=find_packages(include=["cockpit_fast", "cockpit_fast.*"]),
-    python_requires=">=3.9",
-    # backpack-for-pytorch is needed too, but its pin on torchvision drags in a CUDA torch: the
-    # set-up script installs it with --no-deps (see README).
-    install_requires=["torch>=2.4", "numpy", "einops", "unfoldNd"],
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-)
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension})

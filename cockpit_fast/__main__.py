@@ -4,4 +4,4 @@ import sys
 
 from cockpit_fast.cli import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m cockpit_fast"))

@@ -1,39 +1,72 @@
-"""Command line of cockpit_fast: ``python -m cockpit_fast {demo,plot,bench,info}``.
+"""Command line of cockpit_fast: ``cockpit-fast`` (or ``python -m cockpit_fast``) ``{demo,plot,bench,info}``.
 
-User errors (bad options, a missing log, CUDA asked for without a GPU) end with one line on
-stderr and exit code 2, never with a traceback.
+Every error is one line on stderr, ``<command>: error: <what>``, never a traceback: exit code 2
+for bad options (a missing log, CUDA asked for without a GPU), 1 for what the machine lacks (a
+package that is not installed, the benchmarks outside a source checkout) or a failed benchmark.
 """
 
 import argparse
+import functools
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
+import warnings
 from importlib import metadata
 from pathlib import Path
+
+from cockpit_fast import __version__
+from cockpit_fast._optional import MissingDependency, require
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = REPOSITORY / "benchmarks"  # present in a repository checkout only
 BENCHMARKS = ("bench_ops.py", "bench_step.py", "bench_gradient_metrics.py")
 CONFIGURATIONS = ("economy", "business", "full")
+DEFAULT_EPOCHS = 8
+DEMO_DESCRIPTION = """\
+Trains a small CNN on scikit-learn's 8x8 digits (bundled, nothing is downloaded) twice from the
+same weights: plainly, then under a cockpit_fast cockpit tracking the --config quantities. Then
+times a few steps of the same tracking with Cockpit 1.0.2 when it is installed, and prints the
+time per step of all three side by side. The run folder (--out) receives the cockpit's log
+(cockpit.json), its dashboard (cockpit__primary.png) and, with TensorBoard installed, event
+files (tensorboard/)."""
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Argument parser whose errors are a single line on stderr (exit code 2)."""
+    """Argument parser whose errors are one line on stderr, prefixed by the command's name."""
+
+    def __init__(self, *args, command=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command = command or self.prog  # subcommands' parsers report under the command's name
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.fail(message, status=2)
+
+    def fail(self, message, status=1):
+        """End with ``<command>: error: <message>`` on stderr and exit code ``status``."""
+        self.exit(status, f"{self.command}: error: {message}\n")
+
+    def warn(self, message):
+        """``<command>: warning: <message>`` on stderr."""
+        print(f"{self.command}: warning: {message}", file=sys.stderr)
 
 
 def positive_int(text):
     """argparse type: an integer of at least 1."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text):
+    """argparse type: an integer of at least 0."""
+    return _int_at_least(text, 0, "an integer of at least 0")
+
+
+def _int_at_least(text, least, expected):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 
@@ -44,20 +77,44 @@ def default_run_folder():
     return os.path.join("runs", "demo-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def build_parser():
+def build_parser(prog="cockpit-fast"):
     """The parser of all commands and their options."""
-    parser = OneLineParser(prog="python -m cockpit_fast", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cockpit_fast {__version__}")
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        parser_class=functools.partial(OneLineParser, command=prog),
+    )
 
-    demo = commands.add_parser("demo", help="train a small CNN on the digits data set under a cockpit")
-    demo.add_argument("--steps", type=positive_int, default=200, help="most training steps (default: 200)")
-    demo.add_argument("--epochs", type=positive_int, default=8, help="most epochs (default: 8)")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small CNN under a cockpit; compare with plain training and Cockpit 1.0.2",
+        description=DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--steps", type=positive_int, default=None, help="most training steps (default: all of --epochs)"
+    )
+    demo.add_argument(
+        "--epochs", type=positive_int, default=DEFAULT_EPOCHS, help=f"passes over the data (default: {DEFAULT_EPOCHS})"
+    )
     demo.add_argument("--batch-size", type=positive_int, default=64, help="samples per step (default: 64)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: the GPU if any")
     demo.add_argument(
-        "--config", choices=CONFIGURATIONS, default="full", help="quantities to track (default: full)"
+        "--config",
+        choices=CONFIGURATIONS,
+        default="economy",
+        help="quantities to track: Cockpit's configurations, cheapest first (default: economy)",
     )
     demo.add_argument("--track-every", type=positive_int, default=1, help="track every N steps (default: 1)")
+    demo.add_argument(
+        "--compare-steps",
+        type=non_negative_int,
+        default=10,
+        help="steps timed with Cockpit 1.0.2 when installed; 0 skips them (default: 10)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and batch order (default: 0)")
     demo.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
 
@@ -65,7 +122,7 @@ def build_parser():
     plot.add_argument("log", help="JSON log written by Cockpit.write (cockpit_fast or Cockpit 1.0.2)")
     plot.add_argument("-o", "--output", default=None, help="image file (default: the log's name with .png)")
 
-    bench = commands.add_parser("bench", help="run the repository's benchmark scripts")
+    bench = commands.add_parser("bench", help="run the benchmark scripts of a source checkout")
     bench.add_argument("--quick", action="store_true", help="short runs (passed on to every script)")
 
     commands.add_parser("info", help="versions, extension build and device")
@@ -80,6 +137,7 @@ def run_demo(args, parser):
         parser.error("--device cuda: no CUDA GPU is available")
     from cockpit_fast import demo
 
+    demo.check_dependencies()
     try:
         demo.run(
             steps=args.steps,
@@ -90,6 +148,7 @@ def run_demo(args, parser):
             seed=args.seed,
             out=args.out or default_run_folder(),
             track_every=args.track_every,
+            compare_steps=args.compare_steps,
         )
     except demo.UsageError as error:
         parser.error(str(error))
@@ -102,8 +161,7 @@ def run_plot(args, parser):
         parser.error(f"no such log file: {args.log}")
     output = args.output or os.path.splitext(args.log)[0] + ".png"
     image_format = os.path.splitext(output)[1].lstrip(".").lower() or "png"
-    from matplotlib.figure import Figure
-
+    Figure = require("matplotlib.figure", "matplotlib", "plot", extra="plot").Figure
     from cockpit_fast.plotter import CockpitPlotter
 
     # Checked before the dashboard is drawn, not after.
@@ -114,32 +172,28 @@ def run_plot(args, parser):
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     except OSError as error:
         parser.error(f"cannot write {output}: {error}")
-    # The plotter saves as <savedir>/<savename>__primary.<format>: save in a scratch folder, then move.
-    with tempfile.TemporaryDirectory() as scratch:
+    plotter = CockpitPlotter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
-            CockpitPlotter().plot(
-                args.log,
-                show_plot=False,
-                save_plot=True,
-                savedir=scratch,
-                savefig_kwargs={"format": image_format},
-            )
+            plotter.plot(args.log, show_plot=False)
         except (ValueError, TypeError, AttributeError, KeyError) as error:  # json's errors are ValueErrors
             parser.error(f"cannot read the log {args.log}: {error}")
-        shutil.move(os.path.join(scratch, f"cockpit__primary.{image_format}"), output)
+    for warning in caught:
+        parser.warn(str(warning.message))
+    plotter.save_figure(plotter.fig, output, format=image_format)
     print(f"Dashboard saved in {output}")
     return 0
 
 
 def run_bench(args, parser):
-    """Run each benchmark script present in the repository; exit code 1 if none is or any failed."""
+    """Run each benchmark script of the source checkout; exit code 1 if there is none or any failed."""
     scripts = [BENCHMARKS_DIR / name for name in BENCHMARKS if (BENCHMARKS_DIR / name).is_file()]
     if not scripts:
-        print(
-            f"No benchmark scripts in {BENCHMARKS_DIR}: they come with the repository checkout.",
-            file=sys.stderr,
+        parser.fail(
+            "the benchmarks live in the source repository, not in the installed package: "
+            f"run `python -m cockpit_fast bench` in a checkout (no {BENCHMARKS_DIR})"
         )
-        return 1
     env = dict(os.environ)
     # The scripts import cockpit_fast: make this copy importable from the benchmark folder too.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
@@ -151,8 +205,7 @@ def run_bench(args, parser):
             failed.append(script.name)
         print(flush=True)
     if failed:
-        print(f"Failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        parser.fail(f"benchmarks failed: {', '.join(failed)}")
     return 0
 
 
@@ -189,8 +242,11 @@ def run_info(args, parser):
 COMMANDS = {"demo": run_demo, "plot": run_plot, "bench": run_bench, "info": run_info}
 
 
-def main(argv=None):
+def main(argv=None, prog="cockpit-fast"):
     """Parse ``argv`` (default: the process's arguments) and run the command; returns the exit code."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
-    return COMMANDS[args.command](args, parser)
+    try:
+        return COMMANDS[args.command](args, parser)
+    except MissingDependency as error:
+        parser.fail(str(error))

@@ -1,10 +1,11 @@
 """``Cockpit``: tracks quantities during training, a drop-in for ``cockpit.Cockpit`` 1.0.2."""
 
+import json
 import os
 import warnings
 from collections import defaultdict
 
-import json_tricks
+import numpy as np
 import torch
 import torch.distributed
 from backpack import backpack, disable
@@ -199,6 +200,9 @@ class Cockpit:
     def write(self, logpath):
         """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
 
+        Plain JSON, one line per step: arrays are the ``{"__ndarray__": values, "dtype", "shape"}``
+        records that json_tricks (Cockpit 1.0.2's reader) turns back into arrays, whole numbers
+        are written without a fraction and float32 values with the digits float32 needs.
         Under ``torch.distributed`` only rank 0 writes, unless ``log_all_ranks``: then rank r
         writes ``logpath + f'_rank{r}.json'``.
         """
@@ -206,9 +210,27 @@ class Cockpit:
             return
         path = logpath + self.rank_suffix + ".json"
         print(f"[cockpit] writing output to {path}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+        def array_record(value):
+            # json.dumps's default: NumPy values; a float32's str() is its shortest exact form and
+            # whole numbers (histogram counts) need no fraction.
+            if isinstance(value, np.generic):
+                return value.item()
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"cannot write a {type(value).__name__} to a cockpit log")
+            values = value.ravel().tolist()
+            if value.dtype.kind == "f":
+                values = [int(x) if x.is_integer() and abs(x) < 2**53 else float(str(x)) for x in value.ravel()]
+            nested = np.array(values, dtype=object).reshape(value.shape).tolist()
+            record = {"__ndarray__": nested, "dtype": str(value.dtype), "shape": list(value.shape)}
+            return {**record, "Corder": True} if value.ndim > 1 else record  # as json_tricks writes them
+
+        output = self.get_output()
+        compact = {"default": array_record, "separators": (",", ":"), "sort_keys": True}
+        lines = [f"{json.dumps(str(step))}:{json.dumps(output[step], **compact)}" for step in sorted(output)]
         with open(path, "w") as file:
-            json_tricks.dump(self.get_output(), file, indent=4, sort_keys=True)
+            file.write("{\n" + ",\n".join(lines) + "\n}\n")
 
 
 class _NanLossWatch:

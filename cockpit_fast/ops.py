@@ -15,6 +15,9 @@ When the C++ extension is not built, or ``COCKPIT_FAST_REFERENCE=1`` is set, the
 pure-torch twins in :mod:`cockpit_fast.reference` and warn once; ``has_extension()`` tells which.
 """
 
+import glob
+import importlib
+import importlib.machinery
 import os
 import warnings
 
@@ -25,16 +28,37 @@ from cockpit_fast import reference
 from cockpit_fast import stats as columns
 
 _FORCE_REFERENCE_ENV = "COCKPIT_FAST_REFERENCE"
+_HOW_TO_BUILD = (
+    "Build it against the installed torch: `pip install --no-build-isolation .` in the source tree, "
+    "or `python setup.py build_ext --inplace` for a checkout used in place"
+)
 
 
 def _load_extension():
     if os.environ.get(_FORCE_REFERENCE_ENV, "") not in ("", "0"):
         return None, f"{_FORCE_REFERENCE_ENV} is set"
     try:
-        from cockpit_fast import _C  # noqa: F401  (importing it registers the ops)
+        importlib.import_module("cockpit_fast._C")  # importing it registers the ops
     except ImportError as error:
-        return None, f"the C++ extension is not built ({error})"
+        return None, _why_not_loaded(error, glob.glob(os.path.join(os.path.dirname(__file__), "_C.*")))
     return torch.ops.cockpit_fast, None
+
+
+def _why_not_loaded(error, built_files):
+    """What went wrong when ``cockpit_fast._C`` did not import, and how to build it."""
+    names = [os.path.basename(path) for path in built_files]
+    if not names:
+        what = f"the C++ extension cockpit_fast._C is not built (no _C.* in {os.path.dirname(__file__)})"
+    elif not {"_C" + suffix for suffix in importlib.machinery.EXTENSION_SUFFIXES} & set(names):
+        what = f"the C++ extension cockpit_fast._C was built for another Python ({', '.join(names)})"
+    elif "undefined symbol" in str(error):  # torch's C++ symbols differ between its versions
+        what = (
+            f"the C++ extension cockpit_fast._C was built for another version of torch than the installed "
+            f"{torch.__version__} ({error})"
+        )
+    else:
+        what = f"the C++ extension cockpit_fast._C failed to load ({error})"
+    return f"{what}. {_HOW_TO_BUILD}"
 
 
 _OPS, _WHY_REFERENCE = _load_extension()
@@ -59,8 +83,7 @@ def _use_reference():
         return False
     if not _warned:
         warnings.warn(
-            f"cockpit_fast runs its pure-torch reference ops, which are much slower: {_WHY_REFERENCE}. "
-            "Build the extension with `python setup.py build_ext --inplace` or `pip install .`.",
+            f"cockpit_fast runs its pure-torch reference ops, which are much slower: {_WHY_REFERENCE}.",
             RuntimeWarning,
             stacklevel=3,
         )

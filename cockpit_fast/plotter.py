@@ -8,12 +8,17 @@ so it runs headless (the figure is rendered with Agg when saved).
 import glob
 import math
 import os
+import warnings
 
-import matplotlib as mpl
-from matplotlib.figure import Figure
+from cockpit_fast._optional import require
 
-from cockpit_fast import instruments
-from cockpit_fast.instruments import DASHBOARD_RC, PanelContext, Theme, TrackingLog, read_output
+mpl = require("matplotlib", "matplotlib", "the dashboard", extra="plot")
+
+# The imports below need matplotlib, checked above.
+from matplotlib.figure import Figure  # noqa: E402
+
+from cockpit_fast import instruments  # noqa: E402
+from cockpit_fast.instruments import DASHBOARD_RC, PanelContext, Theme, TrackingLog, read_output  # noqa: E402
 
 FIGURE_SIZE = (30, 15)  # inches: at FIGURE_DPI, 3000 x 1500 pixels like Cockpit's saved plots
 FIGURE_DPI = 100
@@ -101,6 +106,9 @@ class CockpitPlotter:
             savedir = os.fspath(source)
 
         log = TrackingLog(read_output(source))
+        if not log.steps:
+            where = f"the log {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else "the cockpit"
+            warnings.warn(f"{where} holds no steps: the dashboard is empty", UserWarning, stacklevel=2)
         if discard is not None:
             log = log.up_to(discard)
         title = plot_title or _default_title(source)
@@ -217,7 +225,14 @@ class CockpitPlotter:
         path = os.path.join(savedir, f"{savename}__{screen}{suffix}.{extension}")
         print(f"[cockpit|plot] Saving figure in {path}")
         os.makedirs(savedir, exist_ok=True)
-        fig.savefig(path, **savefig_kwargs)
+        self.save_figure(fig, path, **savefig_kwargs)
+
+    @staticmethod
+    def save_figure(fig, path, **savefig_kwargs):
+        """Save a screen drawn by :meth:`plot` (``plotter.fig``) to ``path`` as the dashboard looks
+        (tick labels are laid out as the figure is saved, under the dashboard's style)."""
+        with mpl.rc_context(DASHBOARD_RC):
+            fig.savefig(path, **savefig_kwargs)
 
     def build_animation(self, logpath, duration=200, loop=0):
         """Turn the frames saved during training (``<logpath>__<screen>__epoch__*.png``) into GIFs.

@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-import json_tricks
+import numpy as np
 import pytest
 import torch
 
@@ -47,8 +47,10 @@ def run_module(*args):
 
 
 def read_log(path):
-    """A cockpit's JSON log as written (json_tricks: histograms come back as NumPy arrays)."""
-    return json_tricks.loads(Path(path).read_text())
+    """A cockpit's JSON log as written (histograms come back as NumPy arrays)."""
+    from cockpit_fast.instruments.tracking_log import read_output
+
+    return read_output(str(path))
 
 
 def image_pixels(path):
@@ -62,7 +64,7 @@ def demo_run(tmp_path_factory):
     """The run folder and the finished process of a short demo with the full configuration."""
     out = tmp_path_factory.mktemp("demo") / "run"
     process = run_module(
-        *("demo", "--steps", str(DEMO_STEPS), "--batch-size", "32"),
+        *("demo", "--steps", str(DEMO_STEPS), "--batch-size", "32", "--compare-steps", "3"),
         *("--config", "full", "--device", "cpu", "--out", str(out)),
     )
     assert process.returncode == 0, process.stderr
@@ -93,13 +95,15 @@ def test_demo_writes_scalars_and_histograms_to_tensorboard(demo_run):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     out, _ = demo_run
     everything = {"scalars": 0, "histograms": 0}
-    events = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance=everything)
+    # The events sit in a folder named after the run, which TensorBoard shows as the run's name.
+    events = event_accumulator.EventAccumulator(str(out / "tensorboard" / "run"), size_guidance=everything)
     events.Reload()
     tags = events.Tags()
     scalars = ["Loss", "Alpha", "NormTest", "InnerTest", "OrthoTest", "HessMaxEV", "TICDiag", "train_loss"]
     assert set(scalars) <= set(tags["scalars"])
-    assert any(tag.startswith("GradNorm/") for tag in tags["scalars"])
-    assert {"GradHist1d", "GradHist2d/gradients"} <= set(tags["histograms"])
+    assert any(tag.startswith("GradNorm/0.") for tag in tags["scalars"])
+    histograms = {"GradHist1d", "GradHist1d/log10", "GradHist2d/gradients", "GradHist2d/gradients/log10"}
+    assert histograms <= set(tags["histograms"])
     assert [event.step for event in events.Scalars("Loss")] == list(range(DEMO_STEPS))
 
     # The histogram holds the kernel's counts: one per gradient element of every sample.
@@ -108,14 +112,75 @@ def test_demo_writes_scalars_and_histograms_to_tensorboard(demo_run):
     assert list(first.bucket) == pytest.approx(log["0"]["GradHist1d"]["hist"].tolist())
     parameters = sum(p.numel() for p in build_model().parameters())
     assert first.num == 32 * parameters
+    # The log view: the central spike no longer flattens the other bins.
+    logged = events.Histograms("GradHist1d/log10")[0].histogram_value
+    assert list(logged.bucket) == pytest.approx(np.log10(1 + log["0"]["GradHist1d"]["hist"]).tolist())
+    # GradNorm/all: the norm of the whole gradient, from the per-parameter norms.
+    total = events.Scalars("GradNorm/all")[0].value
+    assert total == pytest.approx(float(np.linalg.norm(log["0"]["GradNorm"])), rel=1e-6)
 
 
-def test_demo_prints_the_timing_table_and_outputs(demo_run):
+def test_demo_prints_plain_cockpit_fast_and_cockpit_side_by_side(demo_run):
     out, process = demo_run
-    assert "plain (no cockpit)" in process.stdout
-    assert "tracked (cockpit)" in process.stdout
-    assert str(out / "cockpit.json") in process.stdout
+    rows = [line.split() for line in process.stdout.splitlines()]
+    labels = {"plain": "plain (no cockpit)", "fast": "cockpit_fast ('full')", "original": "Cockpit 1.0.2 ('full', 3 steps)"}
+    table = {key: line for key, label in labels.items() for line in process.stdout.splitlines() if label in line}
+    assert table.keys() == labels.keys(), process.stdout
+    milliseconds = {key: float(line.split()[-2]) for key, line in table.items()}
+    ratios = {key: float(line.split()[-1].rstrip("x")) for key, line in table.items()}
+    assert ratios["plain"] == 1.0
+    assert ratios["fast"] == pytest.approx(milliseconds["fast"] / milliseconds["plain"], abs=0.06)
+    assert f"Cockpit 1.0.2 takes {milliseconds['original'] / milliseconds['fast']:.1f}x" in process.stdout
+    assert ["log:", str(out / "cockpit.json")] in rows
+    assert f"tensorboard --logdir {out / 'tensorboard'}  (the run 'run')" in process.stdout
     assert "Traceback" not in process.stderr
+
+
+def test_demo_says_when_cockpit_is_not_installed(monkeypatch, capsys):
+    from importlib import metadata
+
+    from cockpit_fast import demo
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(demo.metadata, "version", not_installed)
+    timed, why_not = demo.time_original_cockpit(build_model(), [], "economy", 1, torch.device("cpu"))
+    assert timed is None
+    assert why_not == "Cockpit is not installed (pip install cockpit-for-pytorch==1.0.2 to compare)"
+
+
+def test_demo_defaults_economy_and_every_step_of_its_epochs():
+    from cockpit_fast.demo import step_count
+
+    args = cli.build_parser().parse_args(["demo"])
+    assert args.config == "economy" and args.steps is None and args.compare_steps == 10
+    assert step_count(1438, 64, args.epochs, args.steps) == args.epochs * (1438 // 64)
+    assert step_count(1438, 64, args.epochs, 5) == 5
+
+
+def test_demo_help_says_what_it_does_and_where_outputs_go(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in ("digits", "Cockpit 1.0.2", "cockpit.json", "cockpit__primary.png", "tensorboard/", "--out"):
+        assert phrase in text
+
+
+def test_version(capsys):
+    import cockpit_fast
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cockpit_fast {cockpit_fast.__version__}"
+
+
+def test_console_script_and_module_name_themselves_in_errors():
+    process = run_module("demo", "--steps", "0")
+    assert process.returncode == 2
+    assert process.stderr.startswith("python -m cockpit_fast: error: argument --steps")
 
 
 def write_cockpit_log(logpath):
@@ -155,6 +220,16 @@ def test_plot_redraws_a_log_written_by_cockpit(tmp_path):
     process = run_module("plot", str(tmp_path / "cockpit_run.json"), "-o", str(output))
     assert process.returncode == 0, process.stderr
     assert image_pixels(output) == DASHBOARD_PIXELS
+    assert process.stdout == f"Dashboard saved in {output}\n"  # and no scratch path that is gone
+
+
+def test_plot_of_an_empty_log_warns(tmp_path, capsys):
+    log = tmp_path / "empty.json"
+    log.write_text("{}")
+    assert cli.main(["plot", str(log)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"cockpit-fast: warning: the log {log} holds no steps: the dashboard is empty\n"
+    assert (tmp_path / "empty.png").is_file()
 
 
 def test_plot_of_a_log_without_the_json_suffix(tmp_path):
@@ -218,8 +293,12 @@ def test_bench_runs_the_scripts_present_with_quick(tmp_path, monkeypatch, capfd)
 
 def test_bench_without_the_repository_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path / "benchmarks")
-    assert cli.main(["bench"]) == 1
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("cockpit-fast: error: the benchmarks live in the source repository")
 
 
 BAD_ARGUMENTS = [
@@ -246,7 +325,7 @@ def test_bad_arguments_end_with_one_line_and_exit_code_2(argv, capsys):
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert len(captured.err.strip().splitlines()) == 1
-    assert "error" in captured.err
+    assert captured.err.startswith("cockpit-fast: error: ")  # one prefix, subcommands too
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for machines without a GPU")

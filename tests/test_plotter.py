@@ -296,3 +296,90 @@ def test_show_plot_without_a_display_does_not_block(run, capsys):
     finally:
         plt.close("all")
         plt.switch_backend(backend)
+
+
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory):
+    """A cockpit_fast cockpit after a few steps of the MLP under the full configuration, and its log path."""
+    from cockpit_fast import Cockpit
+    from cockpit_fast.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = backpack.extend(torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+    loss_fn = backpack.extend(torch.nn.CrossEntropyLoss())
+    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = Cockpit(model.parameters(), quantities=configuration("full"))
+    inputs, labels = torch.randn(BATCH_SIZE, 10), torch.randint(0, 3, (BATCH_SIZE,))
+    for step in range(4):
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = loss_fn(outputs, labels)
+        info = {"batch_size": BATCH_SIZE, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss}
+        info["optimizer"] = optimizer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker(step, info=info):
+                loss.backward(create_graph=tracker.create_graph(step))
+        optimizer.step()
+    tracker.log(3, 0, 1.5, 1.6, None, 0.5, 0.4, None, 0.1)
+    logpath = str(tmp_path_factory.mktemp("fast") / "run")
+    tracker.write(logpath)
+    return tracker, logpath
+
+
+def assert_same_values(expected, actual):
+    """Equal nested output: same keys, same numbers, NumPy arrays of the same dtype and values."""
+    if isinstance(expected, dict):
+        assert {str(key) for key in expected} == {str(key) for key in actual}
+        lookup = {str(key): value for key, value in actual.items()}
+        for key, value in expected.items():
+            assert_same_values(value, lookup[str(key)])
+    elif isinstance(expected, np.ndarray):
+        assert isinstance(actual, np.ndarray) and actual.dtype == expected.dtype
+        np.testing.assert_array_equal(actual, expected)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for e, a in zip(expected, actual):
+            assert_same_values(e, a)
+    else:
+        assert actual == expected
+
+
+def test_written_log_reads_back_exactly_with_cockpits_reader_and_ours(fast_run):
+    """Plain JSON that json_tricks (Cockpit 1.0.2's reader) and ours both turn back into the output."""
+    json_tricks = pytest.importorskip("json_tricks")
+    from cockpit_fast.instruments.tracking_log import read_output
+
+    tracker, logpath = fast_run
+    with open(logpath + ".json") as log_file:
+        assert_same_values(tracker.get_output(), json_tricks.load(log_file))
+    assert_same_values(tracker.get_output(), read_output(logpath))
+
+
+def test_cockpits_own_plotter_draws_our_log(fast_run, tmp_path):
+    _, logpath = fast_run
+    with mpl.rc_context(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cockpit.CockpitPlotter().plot(logpath, show_plot=False, save_plot=True, savedir=str(tmp_path))
+    assert_looks_like_a_dashboard(read_png(tmp_path / "cockpit__primary.png"))
+
+
+def test_written_log_is_compact(fast_run):
+    """One line per step, no indentation, counts without fractions: a tenth of an indented dump."""
+    tracker, logpath = fast_run
+    text = open(logpath + ".json").read()
+    assert len(text.splitlines()) == len(tracker.get_output()) + 2
+    assert ", " not in text and ": " not in text and "\n " not in text
+    hist = np.asarray(json.loads(text)["0"]["GradHist1d"]["hist"]["__ndarray__"])
+    assert hist.dtype == np.int64  # whole float32 counts written as integers
+    indented = json.dumps(json.loads(text), indent=4)
+    assert len(text) < len(indented) / 5
+
+
+def test_write_to_a_bare_file_name(fast_run, tmp_path, monkeypatch):
+    """``cockpit.write("log")`` writes ./log.json (the directory part is empty)."""
+    tracker, _ = fast_run
+    monkeypatch.chdir(tmp_path)
+    tracker.write("log")
+    assert (tmp_path / "log.json").is_file()

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import torch
 
+from cockpit_fast._optional import require
 from cockpit_fast.distributed import global_mean, same_everywhere
 from cockpit_fast.quantities.quantity import Quantity
 
@@ -28,6 +29,8 @@ class HessMaxEV(Quantity):
     def __init__(self, track_schedule, verbose=False, use_power=True):
         super().__init__(track_schedule, verbose=verbose)
         self._use_power = use_power
+        if not use_power:  # checked now, not at the first tracked step
+            require("scipy.sparse.linalg", "scipy", "HessMaxEV(use_power=False)")
 
     def create_graph(self, global_step):
         return self.should_compute(global_step)
@@ -69,7 +72,8 @@ class HessMaxEV(Quantity):
 
     @staticmethod
     def _lanczos(hvp, params, start=None):
-        from scipy.sparse.linalg import LinearOperator, eigsh
+        linalg = require("scipy.sparse.linalg", "scipy", "HessMaxEV(use_power=False)")
+        LinearOperator, eigsh = linalg.LinearOperator, linalg.eigsh
 
         shapes = [p.shape for p in params]
         sizes = [p.numel() for p in params]
