@@ -365,3 +365,10 @@ def test_a_parameter_without_gradient_is_a_clear_error(name):
     with pytest.raises(RuntimeError, match=r"gradient was not computed for parameters \[2, 3\]"):
         with cp(0, info=info):
             loss.backward()
+
+
+def test_all_lists_the_quantities_as_cockpit_does():
+    assert fast_quantities.__all__ == cockpit.quantities.__all__
+    for name in fast_quantities.__all__:
+        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.Quantity)
+    assert {"Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))
