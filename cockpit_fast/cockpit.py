@@ -14,7 +14,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast._step import ROUTES, STATISTIC_SOURCES, StatisticsHook, StepContext, extensions_for
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import Quantity, merged_hooks
 
 _LOG_KEYS = (
     "epoch_count",
@@ -254,21 +254,22 @@ class _TrackedBackward:
         step = ctx.global_step
         for q in cockpit.quantities:
             ctx.requests.update(q.statistics(ctx))
+        asked = [e for q in cockpit.quantities for e in q.extensions(step)]
         extensions = _unique_by_type(
-            [
-                *user_exts,
-                *extensions_for(ctx.requests, cockpit.per_sample_route, user_exts),
-                *(e for q in cockpit.quantities for e in q.extensions(step)),
-            ]
+            [*user_exts, *extensions_for(ctx.requests, cockpit.per_sample_route, [*user_exts, *asked]), *asked]
         )
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
         self._capture = None
         if ctx.group is not None:
             self._capture = GradientCapture(cockpit.params, keep_graph=cockpit.create_graph(step))
-        kept = {e.savefield for e in user_exts}
-        # The hook frees the statistics' sources at once; the rest (curvatures) after tracking.
-        self._buffers = {e.savefield for e in extensions} - kept
-        hook = StatisticsHook(ctx, self._buffers & STATISTIC_SOURCES)
+        kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
+        hooks = merged_hooks([h for q in cockpit.quantities for h in q.extension_hooks(step)])
+        # The hook frees the statistics' sources at once; the rest (curvatures, what quantities
+        # asked for themselves, Cockpit's hook results) after tracking.
+        transforms = {"grad_batch_transforms"} if hooks else set()  # where Cockpit's hooks write
+        self._buffers = ({e.savefield for e in extensions} | transforms) - kept
+        statistics = StatisticsHook(ctx, self._buffers & (STATISTIC_SOURCES - {e.savefield for e in asked}))
+        hook = _in_turn([*hooks, statistics])
         if extensions:
             self._contexts = (
                 backpack(*extensions, extension_hook=hook, debug=debug),
@@ -293,6 +294,16 @@ class _TrackedBackward:
             self._cockpit._track(self._ctx, self._buffers, self._curvature_names)
         else:
             self._cockpit._free(self._buffers, self._ctx)
+
+
+def _in_turn(hooks):
+    """One BackPACK extension hook that runs ``hooks`` on each module, in order."""
+
+    def hook(module):
+        for h in hooks:
+            h(module)
+
+    return hook
 
 
 def _unique_by_type(extensions):
