@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 import torch
 
 from cockpit_fast import stats as columns
-from cockpit_fast.gradient_metrics.metrics import GradientMetric
+from cockpit_fast.gradient_metrics.metrics import GradientMetric, as_floating
 from cockpit_fast.gradient_metrics.per_sample import (
     PerSampleGrad,
     per_sample_gradients,
@@ -212,7 +212,7 @@ class _BatchStats:
         if pair not in self._rows:
             grad = self._grads[id(param)]
             if metric.grad_transform is not None:
-                grad = PerSampleGrad(dense=_transform_each(metric.grad_transform, grad.dense()))
+                grad = PerSampleGrad(dense=as_floating(_transform_each(metric.grad_transform, grad.dense())))
             rows = per_sample_stats(grad, list(self._p_values[pair]))
             self._rows[pair] = (rows, grad.values_per_sample, grad.dtype)
         return self._rows[pair]
