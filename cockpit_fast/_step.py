@@ -345,6 +345,12 @@ class StepContext:
         """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
         if self._global_grads is not None:
             return self._global_grads
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"the mini-batch gradient was not computed for parameters {missing}: were they used "
+                "in the forward pass?"
+            )
         return [p.grad.detach() for p in self.params]
 
     def flat_grad(self):

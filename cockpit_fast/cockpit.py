@@ -16,7 +16,7 @@ from cockpit_fast._step import ROUTES, StepContext, collect_statistics
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.per_sample import Capture, whole_graph_grads
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import Quantity, merged_hooks
 
 _LOG_KEYS = (
     "epoch_count",
@@ -288,11 +288,14 @@ class _TrackedBackward:
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
         self._grads = None
         self._whole_graph = {}
-        kept = {e.savefield for e in user_exts}
-        self._buffers = {e.savefield for e in extensions} - kept  # freed after tracking
+        kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
+        hooks = merged_hooks([h for q in cockpit.quantities for h in q.extension_hooks(step)])
+        transforms = {"grad_batch_transforms"} if hooks else set()  # where Cockpit's hooks write
+        self._buffers = ({e.savefield for e in extensions} | transforms) - kept  # freed after tracking
+        hook = _in_turn([*hooks, _record_visited(ctx)])
         if extensions:
             self._contexts = (
-                backpack(*extensions, extension_hook=_record_visited(ctx), debug=debug),
+                backpack(*extensions, extension_hook=hook, debug=debug),
                 weight_jac_t_save_memory(save_memory=cockpit.BACKPACK_CONV_SAVE_MEMORY),
             )
         else:
@@ -442,6 +445,16 @@ def _check_curvature_support(capture, extensions, requested_by):
                         f"{names} need{'s' if ', ' not in names else ''} BackPACK's {type(ext).__name__}, which does not support "
                         f"{type(leaf).__name__} ({leaf}): track it on models of layers BackPACK knows"
                     )
+
+
+def _in_turn(hooks):
+    """One BackPACK extension hook that runs ``hooks`` on each module, in order."""
+
+    def hook(module):
+        for h in hooks:
+            h(module)
+
+    return hook
 
 
 def _unique_by_type(extensions):

@@ -349,3 +349,26 @@ def test_a_variance_over_one_sample_is_a_clear_error(name):
     with pytest.raises(ValueError, match=f"{name} estimates a variance .* needs at least 2 of them, got 1"):
         with cp(0, info={"loss": loss, "batch_size": 1}):
             loss.backward()
+
+
+@pytest.mark.parametrize("name", ["GradNorm", "Alpha", "CABS"])
+def test_a_parameter_without_gradient_is_a_clear_error(name):
+    torch.manual_seed(0)
+    model, unused = extend(torch.nn.Linear(5, 3)), torch.nn.Linear(5, 3)
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
+    params = [*model.parameters(), *unused.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    cp = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
+    outputs, labels = model(torch.randn(4, 5)), torch.randint(0, 3, (4,))
+    loss = loss_fn(outputs, labels)
+    info = {"loss": loss, "batch_size": 4, "optimizer": opt, "individual_losses": individual(outputs, labels)}
+    with pytest.raises(RuntimeError, match=r"gradient was not computed for parameters \[2, 3\]"):
+        with cp(0, info=info):
+            loss.backward()
+
+
+def test_all_lists_the_quantities_as_cockpit_does():
+    assert fast_quantities.__all__ == cockpit.quantities.__all__
+    for name in fast_quantities.__all__:
+        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.Quantity)
+    assert {"Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))

@@ -1,10 +1,16 @@
 """Histograms, bin adaptation, GSNR, Hessian trace and the gradient tests against Cockpit 1.0.2."""
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
+from backpack import extend
 
+from cockpit_fast import Cockpit
 from cockpit_fast import quantities as fast_quantities
-from test_cockpit_core import MODELS, ROUTES, assert_same_output, one, side_by_side
+from cockpit_fast.utils import schedules as fast_schedules
+from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side
 
 # Histogram counts may differ by a few elements sitting on a bin edge, where N * g rounds
 # differently inside the fused kernel than in Cockpit's scaled copy.
@@ -91,3 +97,69 @@ def test_statistics_shared_by_quantities_are_computed_once():
     for q in tracked:
         ctx.requests.update(q.statistics(ctx))
     assert ctx.requests == {Hist1d(100, (-2, 2)), BATCH_L2, DOT_MEAN_GRAD}
+
+
+def _spiked_run(cockpit_cls, q, s, make, route="auto"):
+    """Four tracked steps of a Linear layer; on step 1 two inputs are ±1e37 (per-sample weight
+    gradients of about 1e37) and a weight is 1e37 (its inputs are zero). Returns the output."""
+    torch.manual_seed(0)
+    model, loss_fn = extend(torch.nn.Linear(3, 2)), extend(torch.nn.CrossEntropyLoss())
+    kwargs = {} if cockpit_cls is cockpit.Cockpit else {"per_sample_route": route}
+    cp = cockpit_cls(model.parameters(), quantities=make(q, s), **kwargs)
+    for step in range(4):
+        x = torch.randn(4, 3)
+        saved = model.weight.detach().clone()
+        if step == 1:
+            x[0, 0], x[1, 0], x[:, 1] = 1e37, -1e37, 0.0
+            with torch.no_grad():
+                model.weight[0, 1] = 1e37
+        loss = loss_fn(model(x), torch.tensor([1, 0, 0, 1]))
+        model.zero_grad()
+        with cp(step, info={"batch_size": 4, "loss": loss}):
+            loss.backward()
+        with torch.no_grad():
+            model.weight.copy_(saved)
+    return cp.get_output()
+
+
+@pytest.mark.parametrize("name", ["GradHist1d", "GradHist2d"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_gradient_spike_does_not_freeze_range_adaptation(route, name):
+    """Cockpit adapts to ±1e37, which the ops cannot bin in float32: the range is narrowed to the
+    widest they can, the step after the spike is counted, and the next one adapts back."""
+
+    def make(q, s):
+        every = s.linear(1)
+        if name == "GradHist1d":
+            return [q.GradHist1d(every, adapt=q.bin_adaptation.GradAbsMax(every))]
+        adapt = (q.bin_adaptation.GradAbsMax(every), q.bin_adaptation.ParamAbsMax(every))
+        return [q.GradHist2d(every, adapt=adapt)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _spiked_run(cockpit.Cockpit, cockpit.quantities, ref_schedules, make)
+        actual = _spiked_run(Cockpit, fast_quantities, fast_schedules, make, route)
+    for step in (0, 1, 3):
+        assert_same_output(actual[step], expected[step], max_count_diff=EDGE_COUNTS)
+    spiked, theirs = actual[2][name], expected[2][name]
+    assert spiked["hist"].sum() == theirs["hist"].sum()
+    edges = [spiked["edges"]] if name == "GradHist1d" else spiked["edges"]
+    their_edges = [theirs["edges"]] if name == "GradHist1d" else theirs["edges"]
+    for ours, cockpits in zip(edges, their_edges):
+        assert cockpits[-1] == np.float32(1e37)
+        assert 1e35 < ours[-1] < 1e37 and ours[0] == -ours[-1]
+
+
+def test_adapted_ranges_are_those_the_ops_can_bin():
+    from cockpit_fast._validation import check_range
+    from cockpit_fast.quantities.bin_adaptation import _computable_end
+
+    float32, float64 = {torch.float32}, {torch.float64}
+    assert _computable_end(1.5, 100, float32) == 1.5
+    assert _computable_end(1e37, 100, float64) == 1e37  # binned in float64
+    for end, dtypes in [(1e37, float32), (float("inf"), float32), (1e37, float32 | float64), (0.0, float32)]:
+        fitted = _computable_end(end, 100, dtypes)
+        for dtype in dtypes:
+            check_range("test", -fitted, fitted, 100, dtype)
+        with pytest.raises(ValueError, match="overflows or rounds to nothing|lo < hi"):  # the nearest end that fits
+            check_range("test", -np.nextafter(fitted, end), np.nextafter(fitted, end), 100, torch.float32)

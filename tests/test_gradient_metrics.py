@@ -364,17 +364,58 @@ def test_output_dtype_follows_the_original():
         (lambda m: m.PNorm([], p=None), TypeError),
         (lambda m: m.MeanStd([], eps=0), ValueError),
         (lambda m: m.MeanStd([], eps=-1e-3), ValueError),
+        (lambda m: m.PNorm(42, p=0), TypeError),  # the targets are checked first
+        (lambda m: m.MeanStd(42, eps=0), TypeError),
     ],
 )
 def test_metric_errors_like_the_original(make, error):
+    messages = []
     for module in (orig, fast):
-        with pytest.raises(error):
+        with pytest.raises(error) as caught:
             make(module)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
 
 
-def test_pnorm_message_like_the_original():
-    with pytest.raises(ValueError, match=r"interval \(0,inf\].*found 'nan'"):
-        fast.PNorm([], p=float("nan"))
+def test_pnorm_of_nan_p_is_nan_like_the_original():
+    setup = Setup("mlp", torch.float32)
+    theirs = original.GradientMetricCollector(orig.PNorm(setup.model, p=float("nan")))(setup.forward())
+    setup = Setup("mlp", torch.float32)
+    ours = GradientMetricCollector(fast.PNorm(setup.model, p=float("nan")))(setup.forward())
+    assert ours.shape == theirs.shape and ours.isnan().all() and theirs.isnan().all()
+    for module in (orig, fast):
+        metric = module.PNorm([], p=float("nan"))
+        assert metric.data.tolist() == [0.0]  # before any gradient
+        metric(torch.ones(3))
+        assert metric.data.isnan().all()
+
+
+def test_integer_transform_outputs_are_reduced_like_the_original():
+    """A grad_transform that rounds to integers (a quantisation, say): the original's float
+    buffers promote them; so do the stats, through the collector and sample by sample."""
+
+    def quantised(grad):
+        return (grad * 100).round().to(torch.int64)
+
+    outputs = []
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        metrics = [cls(setup.model, grad_transform=quantised) for cls in (module.Max, module.Mean, module.MeanStd)]
+        metrics.append(module.PNorm(setup.model, grad_transform=quantised, p=2))
+        outputs.append(collector_class(metrics)(setup.forward()))
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for module in (orig, fast):
+        metric = module.Mean([], grad_transform=quantised)
+        metric(torch.tensor([0.014, 0.026]))
+        assert metric.data.dtype == torch.float32 and metric.data.tolist() == [2.0]
+
+
+def test_version_and_general_module_like_the_original():
+    import cockpit_fast.gradient_metrics as ours
+    from cockpit_fast.gradient_metrics.general import GradientMetricCollector as from_general
+
+    assert ours.__version__ == original.__version__
+    assert from_general is GradientMetricCollector
 
 
 @pytest.mark.parametrize("metrics", [[], [1], "Max", [None], 3])

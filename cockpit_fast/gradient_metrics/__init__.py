@@ -4,6 +4,8 @@
 tensor with the same values as gradient-metrics, which runs one backward pass per sample.
 """
 
-from cockpit_fast.gradient_metrics.collector import GradientMetricCollector
+__version__ = "0.5.0"  # the gradient-metrics release whose API this package serves
+
+from cockpit_fast.gradient_metrics.general import GradientMetricCollector  # noqa: E402
 
 __all__ = ["GradientMetricCollector"]

@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 import torch
 
 from cockpit_fast import stats as columns
-from cockpit_fast.gradient_metrics.metrics import GradientMetric
+from cockpit_fast.gradient_metrics.metrics import GradientMetric, as_floating
 from cockpit_fast.gradient_metrics.per_sample import per_sample_forms, warn_once
 from cockpit_fast.per_sample import Capture, DenseGrads, stats_rows
 
@@ -216,7 +216,7 @@ class _BatchStats:
         if pair not in self._rows:
             grad, dtype = self._grads[id(param)], param.dtype
             if metric.grad_transform is not None:
-                grad = DenseGrads(_transform_each(metric.grad_transform, grad.dense()))
+                grad = DenseGrads(as_floating(_transform_each(metric.grad_transform, grad.dense())))
                 dtype = grad.values.dtype
             rows = stats_rows(grad, list(self._p_values[pair]))
             self._rows[pair] = (rows, math.prod(grad.shape), dtype)

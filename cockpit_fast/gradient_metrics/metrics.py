@@ -48,7 +48,7 @@ class GradientMetric:
             # Detached: the caller's gradient may feed other consumers.
             g = g.detach()
             if self.grad_transform is not None:
-                g = self.grad_transform(g)
+                g = as_floating(self.grad_transform(g))
             self._collect(g)
 
     def _collect(self, grad):
@@ -95,6 +95,14 @@ class GradientMetric:
         if owner is GradientMetric:
             return False
         return all(getattr(cls, name) is getattr(owner, name) for name in _PER_SAMPLE_METHODS)
+
+
+def as_floating(values):
+    """A transform's output as the stats can take it: integers (and booleans) in the default
+    dtype, which is what the original's float buffers promote them to."""
+    if values.is_floating_point() or values.is_complex():
+        return values
+    return values.to(torch.get_default_dtype())
 
 
 class _RunningStatsMetric(GradientMetric):
@@ -165,11 +173,12 @@ class MeanStd(_RunningStatsMetric):
     """
 
     def __init__(self, target_layers, grad_transform=None, return_mean=True, eps=1e-16):
+        GradientMetric.__init__(self, target_layers, grad_transform)  # targets first, as the original
         if not eps > 0:
             raise ValueError(f"eps has to be greater than zero, got {eps}")
         self.eps = eps
         self.return_mean = return_mean
-        super().__init__(target_layers, grad_transform)
+        self.reset()
 
     def _rows_from_stats(self, stats, count):
         mean = stats[:, columns.MEAN : columns.MEAN + 1]
@@ -186,31 +195,35 @@ class PNorm(_RunningStatsMetric):
     Args:
         target_layers: See :class:`GradientMetric`.
         grad_transform: See :class:`GradientMetric`.
-        p: The power, a float in (0, inf] or the string ``"inf"``. Defaults to 1.
+        p: The power, a float in (0, inf] or the string ``"inf"``. Defaults to 1. NaN is
+            accepted, as by the original: the norm of any gradient is then NaN.
 
     Raises:
-        ValueError: If ``p`` is not in (0, inf].
+        ValueError: If ``p`` is not a number, or not greater than 0.
+        TypeError: If ``p`` cannot be given to ``float`` (None, say).
     """
 
     def __init__(self, target_layers, grad_transform=None, p=1.0):
-        invalid = ValueError(
-            "Parameter 'p' should either be a float in the interval (0,inf] "
-            f"or the string 'inf', found '{p}'"
-        )
+        GradientMetric.__init__(self, target_layers, grad_transform)  # targets first, as the original
         try:
             p = float(p)
         except ValueError:
-            raise invalid from None
-        if not p > 0:  # also rejects NaN
-            raise invalid
+            raise ValueError(_P_MESSAGE.format(p)) from None
+        if p <= 0:
+            raise ValueError(_P_MESSAGE.format(p))
         self.p = p
-        super().__init__(target_layers, grad_transform)
+        self.reset()
 
     def _stats_p_values(self):
-        # The sup norm is the max|x| column, which every stats row has.
-        return () if math.isinf(self.p) else (self.p,)
+        # The sup norm is the max|x| column, which every stats row has; NaN needs no column.
+        return () if math.isinf(self.p) or math.isnan(self.p) else (self.p,)
 
     def _rows_from_stats(self, stats, count):
         if math.isinf(self.p):
             return stats[:, columns.MAX_ABS : columns.MAX_ABS + 1]
+        if math.isnan(self.p):  # the original's 0 ** nan: NaN over any values, 0 over none
+            return torch.full_like(stats[:, :1], math.nan if count else 0.0)
         return stats[:, columns.P0 : columns.P0 + 1] ** (1.0 / self.p)
+
+
+_P_MESSAGE = "Parameter 'p' should either be a float in the interval (0,inf] or the string 'inf', found '{}'"

@@ -22,8 +22,8 @@ from cockpit_fast.quantities.tic_trace import TICTrace
 from cockpit_fast.quantities.time import Time
 from cockpit_fast.quantities.update_size import UpdateSize
 
+# The 19 quantities, as Cockpit lists them; Quantity and the bin adaptations stay importable here.
 __all__ = [
-    "Quantity",
     "Loss",
     "Parameters",
     "Distance",
@@ -43,7 +43,4 @@ __all__ = [
     "TICDiag",
     "TICTrace",
     "MeanGSNR",
-    "NoAdaptation",
-    "GradAbsMax",
-    "ParamAbsMax",
 ]

@@ -1,8 +1,11 @@
 """Policies that move a histogram's bin range between steps."""
 
+import struct
+
 import torch
 
 from cockpit_fast._step import GRAD_ABS_MAX
+from cockpit_fast._validation import check_range
 
 
 class BinAdaptation:
@@ -29,8 +32,8 @@ class BinAdaptation:
         """Extra BackPACK extensions the adaptation needs (none)."""
         return []
 
-    def new_range(self, ctx, current):
-        """The range to use from the next step on."""
+    def new_range(self, ctx, current, bins):
+        """The range of ``bins`` bins to use from the next step on."""
         raise NotImplementedError
 
 
@@ -56,10 +59,11 @@ class _AbsMax(BinAdaptation):
         self._padding = padding
         self._min_size = min_size
 
-    def new_range(self, ctx, current):
+    def new_range(self, ctx, current, bins):
         # The next step's binning needs the limit as a number: the one sync of an adaptation step.
         abs_max = self._abs_max(ctx).item()
         end = (1.0 + self._padding) * max(self._min_size / 2, abs_max)
+        end = _computable_end(end, bins, {p.dtype for p in ctx.params})
         if self._verbose:
             print(f"[Step {ctx.global_step} | {type(self).__name__}]: new limits {-end:.5f}, {end:.5f}")
         return -end, end
@@ -83,3 +87,42 @@ class ParamAbsMax(_AbsMax):
 
     def _abs_max(self, ctx):
         return torch.stack([p.detach().abs().max() for p in ctx.params]).max()
+
+
+def _computable_end(end, bins, dtypes):
+    """The ``x`` nearest to ``end`` for which the ops can bin ``(-x, x)`` in ``bins`` bins of
+    every one of ``dtypes`` (:func:`~cockpit_fast._validation.check_range`).
+
+    A gradient spike (or a vanishing gradient with ``min_size=0``) must not move the range
+    where the ops reject it: every later step would fail before the range could adapt back.
+    """
+
+    def fits(x):
+        try:
+            for dtype in dtypes:
+                check_range("bin adaptation", -x, x, bins, dtype)
+        except ValueError:
+            return False
+        return True
+
+    if fits(end):
+        return end
+    # The ends that fit form an interval holding 1.0 (2^24 bins of width 2^-23 are fine in
+    # float32): bisect between 1.0 and ``end`` on the bit patterns of positive doubles, which
+    # are ordered as the doubles are.
+    good, bad = _bits(1.0), _bits(end)
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if fits(_double(middle)):
+            good = middle
+        else:
+            bad = middle
+    return _double(good)
+
+
+def _bits(x):
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _double(bits):
+    return struct.unpack("<d", struct.pack("<q", bits))[0]

@@ -44,7 +44,7 @@ class GradHist1d(Quantity):
     def track(self, ctx):
         super().track(ctx)
         if self._adapt.should_compute(ctx.global_step):
-            self._range = tuple(self._adapt.new_range(ctx, self._range))
+            self._range = tuple(self._adapt.new_range(ctx, self._range, self._bins))
 
     def _compute(self, ctx):
         hist = ctx.summed(self._histogram())

@@ -61,7 +61,7 @@ class GradHist2d(Quantity):
         super().track(ctx)
         for axis, adapt in enumerate(self._adapt):
             if adapt.should_compute(ctx.global_step):
-                self._range[axis] = tuple(adapt.new_range(ctx, self._range[axis]))
+                self._range[axis] = tuple(adapt.new_range(ctx, self._range[axis], self._bins[axis]))
 
     def _compute(self, ctx):
         hists = [h.long() for h in ctx.per_param(self._histogram())]

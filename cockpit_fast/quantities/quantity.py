@@ -1,7 +1,17 @@
-"""Base class of tracked quantities and the conversion of their results to plain output."""
+"""Base classes of tracked quantities and the conversion of their results to plain output.
+
+:class:`Quantity` is the base of the built-in quantities. :class:`SingleStepQuantity`,
+:class:`TwoStepQuantity` and :class:`ByproductQuantity` keep Cockpit 1.0.2's contract, so that a
+quantity written for Cockpit runs unchanged once its import names this module.
+"""
+
+from collections import defaultdict
 
 import numpy
 import torch
+
+from cockpit_fast._step import StepContext
+from cockpit_fast.context import tracking
 
 
 class Quantity:
@@ -49,6 +59,15 @@ class Quantity:
     def extensions(self, global_step):
         """BackPACK extensions needed at ``global_step`` besides those of the statistics."""
         return []
+
+    def extension_hooks(self, global_step):
+        """Callables the cockpit runs on each module inside BackPACK's extension hook, before
+        the statistics are computed (Cockpit's contract; the built-in quantities need none)."""
+        return []
+
+    def protected_savefields(self, global_step):
+        """Names of BackPACK buffers the cockpit must leave on the parameters after tracking."""
+        return set()
 
     def track(self, ctx):
         """Compute and store the value at ``ctx.global_step`` if the schedule asks for it."""
@@ -167,3 +186,232 @@ class StepCache:
         """Forget values from steps before ``step`` (their partner step never came)."""
         for old in [s for s in self._entries if s < step]:
             del self._entries[old]
+
+
+class CockpitQuantity(Quantity):
+    """Cockpit 1.0.2's ``Quantity`` contract on cockpit_fast's cockpit: the base of
+    :class:`SingleStepQuantity`, :class:`TwoStepQuantity` and :class:`ByproductQuantity`.
+
+    Such a quantity names its BackPACK extensions and extension hooks, and computes its value
+    in ``compute(global_step, params, batch_loss)`` from the buffers BackPACK left on the
+    parameters (the cockpit frees them after tracking), and reads ``info`` through
+    :mod:`cockpit_fast.context`. Values are stored in :attr:`output`
+    as Cockpit stores them (tensors become numpy arrays at once). Under ``torch.distributed``
+    it sees its own process's batch, loss and buffers.
+    """
+
+    READS_BATCH = False  # it reads BackPACK's buffers, not the cockpit's combined statistics
+
+    def __init__(self, track_schedule, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self.output = defaultdict(dict)
+
+    def extensions(self, global_step):
+        """BackPACK extensions needed at ``global_step``; subclasses must say."""
+        raise NotImplementedError
+
+    def should_compute(self, global_step):
+        """Whether to compute at ``global_step``; subclasses must say."""
+        raise NotImplementedError
+
+    def track(self, global_step, params=None, batch_loss=None):
+        """Cockpit's ``track(global_step, params, batch_loss)``: compute if scheduled and store.
+
+        The cockpit calls it with its step context instead, whose step, tracked parameters and
+        ``info['loss']`` (needed on the steps that compute) become the three arguments.
+        """
+        if isinstance(global_step, StepContext):
+            ctx = global_step
+            loss = ctx.info("loss", self) if self.should_compute(ctx.global_step) else None
+            with tracking(ctx):  # cockpit_fast.context reads its info, as cockpit.context would
+                return self.track(ctx.global_step, ctx.params, loss)
+        if not self.should_compute(global_step):
+            if self._verbose:
+                print(f"{self._verbose_prefix(global_step)}: No computation scheduled")
+            return
+        iteration, result = self.compute(global_step, params, batch_loss)
+        if result is not None:
+            if self._verbose:
+                print(f"{self._verbose_prefix(global_step)}: Store iteration {iteration}, value {result}")
+            self._save(iteration, result)
+
+    def compute(self, global_step, params, batch_loss):
+        """``(step to store under, value)`` at ``global_step``; subclasses must say."""
+        raise NotImplementedError
+
+    def _save(self, global_step, result):
+        self.output[global_step] = self._apply_save_format(result)
+
+    def _apply_save_format(self, value):
+        """Tensors (0-dim too) become numpy arrays, containers are converted item by item."""
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu().numpy()
+        if isinstance(value, (list, dict)):
+            for key in range(len(value)) if isinstance(value, list) else list(value):
+                value[key] = self._apply_save_format(value[key])
+            return value
+        if isinstance(value, tuple):
+            return tuple(self._apply_save_format(v) for v in value)
+        if isinstance(value, (float, int, numpy.ndarray)):
+            return value
+        raise NotImplementedError(f"No formatting rule for type {type(value)}")
+
+    def get_output(self):
+        """``{step: value}`` of what was stored."""
+        return self.output
+
+    # Cockpit's readers of the buffers BackPACK leaves on the parameters. ``aggregate`` joins
+    # the parameters: vectors are concatenated, per-sample values summed.
+
+    @staticmethod
+    def _fetch_grad(params, aggregate=False):
+        return _joined([p.grad for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_grad_l2_squared(params, aggregate=False):
+        return _summed([p.grad.pow(2).sum() for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_batch_grad(params, aggregate=False):
+        grad_batch = [p.grad_batch for p in params]
+        return torch.cat([g.flatten(start_dim=1) for g in grad_batch], dim=1) if aggregate else grad_batch
+
+    @staticmethod
+    def _fetch_batch_l2_squared(params, aggregate=False):
+        return _summed([p.batch_l2 for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_batch_l2_squared_via_batch_grad_transforms(params, aggregate=False):
+        return _summed([p.grad_batch_transforms["batch_l2"] for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_batch_dot(params, aggregate=False):
+        return _summed([p.batch_dot for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_batch_dot_via_batch_grad_transforms(params, aggregate=False):
+        return _summed([p.grad_batch_transforms["batch_dot"] for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_sum_grad_squared(params, aggregate=False):
+        return _joined([p.sum_grad_squared for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_sum_grad_squared_via_batch_grad_transforms(params, aggregate=False):
+        return _joined([p.grad_batch_transforms["sum_grad_squared"] for p in params], aggregate)
+
+    @staticmethod
+    def _fetch_diag_curvature(params, savefield, aggregate=True):
+        return _joined([getattr(p, savefield) for p in params], aggregate)
+
+
+def merged_hooks(hooks):
+    """Extension hooks to run in turn, Cockpit's ``BatchGradTransformsHook``s merged into one.
+
+    Each of those writes its own dict to ``param.grad_batch_transforms``, so a later one would
+    replace what an earlier one wrote; Cockpit merges their transforms likewise (found by their
+    ``_transforms``). A key taken by two different transforms raises a ``ValueError``.
+    """
+    transforming = [h for h in hooks if hasattr(h, "_transforms")]
+    if len(transforming) < 2:
+        return hooks
+    transforms = {}
+    for h in transforming:
+        for key, transform in h._transforms.items():
+            if transforms.setdefault(key, transform) is not transform:
+                raise ValueError(f"Two different grad_batch transforms are named '{key}'")
+    return [h for h in hooks if not hasattr(h, "_transforms")] + [type(transforming[0])(transforms)]
+
+
+def _joined(tensors, aggregate):
+    return torch.cat([t.flatten() for t in tensors]) if aggregate else tensors
+
+
+def _summed(tensors, aggregate):
+    return sum(tensors) if aggregate else tensors
+
+
+class SingleStepQuantity(CockpitQuantity):
+    """Cockpit's quantity of one step: subclasses implement ``_compute(global_step, params,
+    batch_loss)`` (and ``extensions``); it is computed on the steps of ``track_schedule``."""
+
+    def should_compute(self, global_step):
+        return self._track_schedule(global_step)
+
+    def compute(self, global_step, params, batch_loss):
+        return global_step, self._compute(global_step, params, batch_loss)
+
+    def _compute(self, global_step, params, batch_loss):
+        raise NotImplementedError
+
+
+class ByproductQuantity(SingleStepQuantity):
+    """Cockpit's quantity that needs no BackPACK extension."""
+
+    def extensions(self, global_step):
+        return []
+
+
+class TwoStepQuantity(CockpitQuantity):
+    """Cockpit's quantity of two steps, a start and an end.
+
+    Subclasses implement ``is_start``, ``is_end``, ``_compute_start`` (which keeps what the end
+    needs with :meth:`save_to_cache`) and ``_compute_end`` (which reads it with
+    :meth:`load_from_cache` and returns the value), and may set :attr:`SAVE_SHIFT`.
+    """
+
+    SAVE_SHIFT = 0
+    """The value computed at step n is stored under step n - SAVE_SHIFT."""
+
+    def __init__(self, track_schedule, verbose=False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._cache = defaultdict(dict)  # step -> key -> (value, block_fn)
+
+    def should_compute(self, global_step):
+        return self.is_start(global_step) or self.is_end(global_step)
+
+    def is_start(self, global_step):
+        raise NotImplementedError
+
+    def is_end(self, global_step):
+        raise NotImplementedError
+
+    def compute(self, global_step, params, batch_loss):
+        """The value (None on a step that only starts), stored under ``global_step -
+        SAVE_SHIFT``; then forgets cached entries that the next step does not block."""
+        result = None
+        if self.is_start(global_step):
+            self._compute_start(global_step, params, batch_loss)
+        if self.is_end(global_step):
+            result = self._compute_end(global_step, params, batch_loss)
+        self.free_cache(global_step, global_step + 1)
+        return global_step - self.SAVE_SHIFT, result
+
+    def _compute_start(self, global_step, params, batch_loss):
+        raise NotImplementedError
+
+    def _compute_end(self, global_step, params, batch_loss):
+        raise NotImplementedError
+
+    def save_to_cache(self, global_step, key, value, block_fn):
+        """Keep ``value`` under ``(global_step, key)`` while ``block_fn(step)`` is true."""
+        if self._verbose:
+            print(f"{self._verbose_prefix(global_step)}: Create cache entry ('{global_step}', '{key}')")
+        self._cache[global_step][key] = (value, block_fn)
+
+    def load_from_cache(self, global_step, key):
+        """The value kept under ``(global_step, key)``."""
+        return self._cache[global_step][key][0]
+
+    def free_cache(self, global_step, virtual_step):
+        """Forget the entries that ``virtual_step`` does not block, and steps left empty."""
+        for step in list(self._cache):
+            entries = self._cache[step]
+            for key in [k for k, (_, block_fn) in entries.items() if not block_fn(virtual_step)]:
+                del entries[key]
+                if self._verbose:
+                    print(f"{self._verbose_prefix(global_step)}: Delete cache entry ('{step}', '{key}')")
+            if not entries:
+                del self._cache[step]
+                if self._verbose:
+                    print(f"{self._verbose_prefix(global_step)}: Delete empty cache ('{step}')")
