@@ -160,6 +160,6 @@ def test_adapted_ranges_are_those_the_ops_can_bin():
     for end, dtypes in [(1e37, float32), (float("inf"), float32), (1e37, float32 | float64), (0.0, float32)]:
         fitted = _computable_end(end, 100, dtypes)
         for dtype in dtypes:
-            check_range("test", -fitted, fitted, 100, dtype)
+            check_range("test", (-fitted, fitted), 100, dtype)
         with pytest.raises(ValueError, match="overflows or rounds to nothing|lo < hi"):  # the nearest end that fits
-            check_range("test", -np.nextafter(fitted, end), np.nextafter(fitted, end), 100, torch.float32)
+            check_range("test", (-np.nextafter(fitted, end), np.nextafter(fitted, end)), 100, torch.float32)

@@ -100,7 +100,7 @@ def _computable_end(end, bins, dtypes):
     def fits(x):
         try:
             for dtype in dtypes:
-                check_range("bin adaptation", -x, x, bins, dtype)
+                check_range("bin adaptation", (-x, x), bins, dtype)
         except ValueError:
             return False
         return True
