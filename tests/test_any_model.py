@@ -182,3 +182,119 @@ def test_one_sample(name):
                         [output["GradHist1d"]["edges"]])
     mean = g.mean(0)
     assert output["MeanGSNR"] == pytest.approx(float((mean**2 / ((g**2).mean(0) - mean**2 + 1e-5)).mean()), rel=1e-7)
+
+
+class RawUse(torch.nn.Module):
+    """A tracked weight used once by its module and once functionally by its parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.nn.functional.linear(x, self.lin.weight)
+
+
+class DropoutParent(torch.nn.Module):
+    """A raw parameter whose call (the whole model) draws random numbers: replaying it per
+    sample would draw others, so it takes the whole graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(6))
+        self.lin = torch.nn.Linear(6, 3)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.lin(self.drop(x * self.scale))
+
+
+def _tracked_step(model, x, y, quantities_, info_losses=True, reduction="mean", **kwargs):
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities_, **kwargs)
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    loss = losses.mean() if reduction == "mean" else losses.sum()
+    info = {"batch_size": len(x), "loss": loss}
+    if info_losses:
+        info["individual_losses"] = losses
+    with cockpit(0, info=info):
+        loss.backward()
+    return cockpit.get_output()[0]
+
+
+def test_a_functional_use_outside_the_owning_module_is_a_clear_error():
+    with pytest.raises(ValueError, match="do not add up to its gradient: it is used outside the forward pass"):
+        _tracked_step(RawUse(), torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)])
+
+
+def test_a_loss_that_is_not_the_mean_of_the_individual_losses_is_a_clear_error():
+    with pytest.raises(ValueError, match="is not the mean of info\\['individual_losses'\\]"):
+        _tracked_step(RawUse().lin, torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)], reduction="sum")
+
+
+def test_interacting_samples_without_individual_losses_is_a_clear_error():
+    model, batch, _ = build("batch_norm_training", torch.float32)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="need every sample's own loss .*BatchNorm1d in training mode"):
+        _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
+
+
+@pytest.mark.parametrize("name", ["gpt_like", "hf_gpt2", "lstm"])
+def test_curvature_on_layers_backpack_cannot_handle_is_a_clear_error_before_the_backward_pass(name):
+    model, batch, losses_of = build(name, torch.float32)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.HessTrace(EVERY), quantities.TICDiag(EVERY)])
+    losses = losses_of(model, x, y)
+    with pytest.raises(ValueError, match="HessTrace, TICDiag need BackPACK's DiagHessian, which does not support"):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            raise AssertionError("the backward pass must not start")
+
+
+def test_a_call_that_draws_random_numbers_takes_the_whole_graph():
+    torch.manual_seed(0)
+    model = DropoutParent().double()
+    x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+    params = list(model.parameters())
+    losses_of = lambda m, inputs, labels: torch.nn.functional.cross_entropy(m(inputs), labels, reduction="none")  # noqa: E731
+    torch.manual_seed(5)  # one dropout mask for the oracle's forward pass and the tracked one
+    g = flat(_oracle(model, params, losses_of, x, y, {}))
+    torch.manual_seed(5)
+    output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
+    mean = g.mean(0)
+    expected = ((((g**2).sum(1)).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())).sqrt()
+    assert output["NormTest"] == pytest.approx(float(expected), rel=1e-7)
+    with pytest.raises(ValueError, match="need every sample's own loss .*draws random numbers"):
+        _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
+
+
+def test_hessian_max_eigenvalue_on_a_model_backpack_cannot_handle():
+    model, batch, losses_of = build("residual_cnn", torch.float64)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.HessMaxEV(EVERY)])
+    losses = losses_of(model, x, y)
+    with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward(create_graph=cockpit.create_graph(0))
+    names = [name for name, _ in model.named_parameters()]
+    values = {name: p.detach() for name, p in model.named_parameters()}
+    sizes = [p.numel() for p in params]
+
+    def mean_loss(flat_params):
+        chunks = dict(zip(names, (c.reshape(p.shape) for c, p in zip(flat_params.split(sizes), params))))
+        return losses_of(lambda inputs: torch.func.functional_call(model, chunks, (inputs,)), x, y).mean()
+
+    hessian = torch.func.hessian(mean_loss)(torch.cat([values[n].flatten() for n in names]))
+    largest = float(torch.linalg.eigvalsh(hessian)[-1])
+    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(largest, rel=1e-2)
+
+
+def test_a_parameter_hook_applies_to_every_samples_gradient_in_the_metrics():
+    model, batch, losses_of = build("twice_applied", torch.float64)
+    weight = model.shared.weight
+    weight.register_hook(lambda g: torch.zeros_like(g))
+    collector = GradientMetricCollector([gm.Max(weight), gm.Min(weight), gm.PNorm(model, p=2)])
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    values = collector(losses_of(model, x, y))
+    assert torch.equal(values[:, :2], torch.zeros(N, 2, dtype=values.dtype))
+    params = [p for p in model.parameters() if p is not weight]
+    g = flat(oracle_grads(model, params, losses_of, x, y))
+    torch.testing.assert_close(values[:, 2], g.norm(dim=1))
