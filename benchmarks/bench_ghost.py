@@ -1,15 +1,16 @@
-"""The factor route against materialised per-sample gradients: step time and peak memory.
+"""Closed forms against materialised per-sample gradients: step time and peak memory.
 
-For a step tracking GradHist1d, GradHist2d or the ``economy`` configuration on the MLP
-784-256-10 with N = 128 (``bench_step.py``'s problem), side by side in one run: a plain step,
-Cockpit 1.0.2, cockpit_fast on BackPACK's materialised ``grad_batch``, and cockpit_fast on the
-factor route. Times are ms per step, the best of ``--repeats`` interleaved runs (as in
+For a step tracking GradHist1d, GradHist2d or the ``economy`` configuration on one of
+``bench_step.py``'s problems (``--model``: the MLP 784-256-10 with N = 128 by default, the small
+CNN, or GPT-2), side by side in one run: a plain step, Cockpit 1.0.2 (where it can run),
+cockpit_fast with every statistic from formed per-sample gradients (``per_sample_route=
+"grad_batch"``), and cockpit_fast's default route. Times are ms per step, the best of ``--repeats`` interleaved runs (as in
 ``bench_step.py``). Peak memory is the growth of the peak resident set size over a few steps,
 measured in a fresh process per variant from just before the model is built (so it holds
 model, data, activations, gradients and what tracking adds; on CPU the allocator returns large
 blocks to the system, so the peak RSS follows the live tensors).
 
-Usage: ``python benchmarks/bench_ghost.py [--quick] [--only CASE ...]``
+Usage: ``python benchmarks/bench_ghost.py [--quick] [--model mlp|cnn|gpt2] [--only CASE ...]``
 """
 
 import argparse
@@ -42,15 +43,15 @@ def factory(variant, case):
         from cockpit.utils import configuration, schedules
 
         return lambda p: cockpit.Cockpit(p, make_quantities(case, cockpit.quantities, configuration, schedules))
-    route = "grad_batch" if variant == "materialised" else "factors"
+    route = "grad_batch" if variant == "materialised" else "auto"
     modules = (fast_quantities, fast_configuration, fast_schedules)
     return lambda p: FastCockpit(p, make_quantities(case, *modules), per_sample_route=route)
 
 
-def peak_growth_mib(variant, case):
+def peak_growth_mib(variant, case, model):
     """Peak RSS growth (MiB) over a few steps of ``variant``, measured in a fresh process."""
     child = subprocess.run(
-        [sys.executable, __file__, "--memory-of", variant, case], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--memory-of", variant, case, model], capture_output=True, text=True, check=True
     )
     return float(child.stdout.strip().splitlines()[-1])
 
@@ -62,13 +63,15 @@ def _status_kib(field):
     return int(line.split()[1])
 
 
-def measure_memory_here(variant, case):
+def measure_memory_here(variant, case, model):
     warnings.simplefilter("ignore")
     make = factory(variant, case)  # imports done before the baseline
+    if model == "gpt2":
+        import transformers  # noqa: F401  (imported before the baseline too)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets the peak (VmHWM) to the current resident size (Linux >= 4.0)
     before = _status_kib("VmRSS")
-    time_run("mlp", make, steps=3)
+    time_run(model, make, steps=3)
     print((_status_kib("VmHWM") - before) / 1024)
 
 
@@ -76,23 +79,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--only", nargs="+", choices=CASES, help="cases to run; default all")
-    parser.add_argument("--memory-of", nargs=2, metavar=("VARIANT", "CASE"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="mlp")
+    parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "CASE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_of:
         return measure_memory_here(*args.memory_of)
     steps, repeats = (3, 1) if args.quick else (10, 3)
     warnings.simplefilter("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused ops: {cockpit_fast.has_extension()}")
-    print(f"MLP 784-256-10, N = 128; {steps} steps per run, best of {repeats}; peak RSS growth over model set-up and 3 steps\n")
+    print(f"model {args.model}; {steps} steps per run, best of {repeats}; peak RSS growth over model set-up and 3 steps\n")
     header = f"{'case':11} {'variant':13} {'ms/step':>8} {'x plain':>8} {'cockpit/this':>13} {'peak MiB':>9} {'x plain':>8}"
     print(header)
     print("-" * len(header))
+    # Cockpit 1.0.2 cannot run on GPT-2 (layers BackPACK does not know).
+    variants = [v for v in VARIANTS if not (args.model == "gpt2" and v == "cockpit")]
     for case in args.only or CASES:
-        times = best_times(repeats, "mlp", [factory(v, case) for v in VARIANTS], steps)
-        memory = [peak_growth_mib(v, case) for v in VARIANTS]
-        for variant, seconds, mib in zip(VARIANTS, times, memory):
+        times = best_times(repeats, args.model, [factory(v, case) for v in variants], steps)
+        memory = [peak_growth_mib(v, case, args.model) for v in variants]
+        cockpit_seconds = dict(zip(variants, times)).get("cockpit")
+        for variant, seconds, mib in zip(variants, times, memory):
+            versus = f"{cockpit_seconds / seconds:12.1f}x" if cockpit_seconds else f"{'-':>13}"
             print(
-                f"{case:11} {variant:13} {1e3 * seconds:8.2f} {seconds / times[0]:8.2f} {times[1] / seconds:12.1f}x"
+                f"{case:11} {variant:13} {1e3 * seconds:8.2f} {seconds / times[0]:8.2f} {versus}"
                 f" {mib:9.1f} {mib / memory[0]:8.2f}",
                 flush=True,
             )

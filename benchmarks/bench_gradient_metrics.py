@@ -6,7 +6,12 @@ prints the median time per call and the speed-up. A second table times the per-s
 alone: the route the collector takes, plain identity rows through ``is_grads_batched`` (the route
 for arbitrary graphs), and BackPACK's ``BatchGrad`` on a model extended before its forward pass.
 
-Usage: ``python benchmarks/bench_gradient_metrics.py [--quick]``
+``--model gpt2`` times a Hugging Face GPT-2 built from a config instead (2 layers, width 64,
+2 heads, random weights; N sequences of 16 tokens, the loss of a sequence the mean of its tokens'),
+for N in {16, 32, 64}: its layers are ``transformers``' ``Conv1D``, its output head tied to the
+token embedding.
+
+Usage: ``python benchmarks/bench_gradient_metrics.py [--quick] [--model mlp|gpt2]``
 """
 
 import argparse
@@ -66,12 +71,39 @@ def median_seconds(call, repeats, min_seconds):
     return statistics.median(times), len(times)
 
 
+def gpt2_main(repeats, min_seconds):
+    """The collector on GPT-2, against gradient-metrics 0.5.0."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    print("GPT-2 2 layers, width 64, T = 16; metrics Max, Min, Mean, MeanStd, PNorm(p=2) over the model")
+    print(f"{'N':>5} {'gradient-metrics [ms]':>22} {'cockpit_fast [ms]':>18} {'speed-up':>9}")
+    warnings.simplefilter("ignore")
+    theirs = original.GradientMetricCollector(make_metrics(orig, model))
+    ours = GradientMetricCollector(make_metrics(fast, model))  # before the forward passes it watches
+    for n in (16, 32, 64):
+        ids = torch.randint(0, config.vocab_size, (n, 16))
+        logits = model(ids).logits
+        flat = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        loss = flat.reshape(n, -1).mean(1)
+        torch.testing.assert_close(ours(loss, retain_graph=True), theirs(loss, retain_graph=True), rtol=1e-3, atol=1e-6)
+        t_theirs, _ = median_seconds(lambda: theirs(loss, retain_graph=True), repeats, min_seconds)
+        t_ours, _ = median_seconds(lambda: ours(loss, retain_graph=True), repeats, min_seconds)
+        print(f"{n:>5} {1e3 * t_theirs:>22.2f} {1e3 * t_ours:>18.2f} {t_theirs / t_ours:>8.1f}x", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one timed call per measurement")
+    parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
     args = parser.parse_args()
 
     repeats, min_seconds = (1, 0.0) if args.quick else (3, 2.0)
+    if args.model == "gpt2":
+        print(f"device: cpu ({cpu_name()}), {torch.get_num_threads()} threads")
+        return gpt2_main(repeats, min_seconds)
     print(f"device: cpu ({cpu_name()}), {torch.get_num_threads()} threads")
     print(f"torch {torch.__version__}, cockpit_fast extension built: {cockpit_fast.has_extension()}")
     print("MLP 784-256-10, cross-entropy per sample; metrics Max, Min, Mean, MeanStd, PNorm(p=2) over all parameters")

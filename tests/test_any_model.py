@@ -298,3 +298,17 @@ def test_a_parameter_hook_applies_to_every_samples_gradient_in_the_metrics():
     params = [p for p in model.parameters() if p is not weight]
     g = flat(oracle_grads(model, params, losses_of, x, y))
     torch.testing.assert_close(values[:, 2], g.norm(dim=1))
+
+
+@pytest.mark.parametrize("route", ["auto", "factors", "grad_batch"])
+def test_a_batch_of_no_samples_gives_empty_histograms_as_cockpit_does(route):
+    model, batch, _ = build("twice_applied", torch.float32)
+    tracked = [quantities.GradHist1d(EVERY, bins=7), quantities.GradHist2d(EVERY, bins=(3, 4))]
+    cockpit = Cockpit(list(model.parameters()), quantities=tracked, per_sample_route=route)
+    x, y = batch(0, torch.Generator().manual_seed(1))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with cockpit(0, info={"batch_size": 0, "loss": loss}):
+        loss.backward()
+    output = cockpit.get_output()[0]
+    assert output["GradHist1d"]["hist"].shape == (7,) and output["GradHist1d"]["hist"].sum() == 0
+    assert output["GradHist2d"]["hist"].shape == (3, 4) and output["GradHist2d"]["hist"].sum() == 0

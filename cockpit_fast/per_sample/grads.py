@@ -60,7 +60,7 @@ class PerSampleGrads:
         """Dense gradients ``(c, *shape)`` of ``size`` consecutive samples at a time (the last
         chunk may be smaller); by default as many as :data:`CHUNK_VALUES` allows."""
         size = size or samples_per_chunk(self.shape)
-        for start in range(0, self.batch_size, size):
+        for start in range(0, self.batch_size, size) or [0]:  # no samples: one empty chunk
             yield self.dense_range(start, min(start + size, self.batch_size))
 
     def dense_range(self, start, stop):

@@ -9,6 +9,8 @@ grouped convolution, say); that call then takes the exact generic route
 (:mod:`cockpit_fast.per_sample.generic`), as does every module without a rule.
 """
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -46,8 +48,8 @@ def rule_for(module):
 
 
 def _sequence(t):
-    """``(N, *, features)`` as ``(N, T, features)``."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    """``(N, *, features)`` as ``(N, T, features)`` (T given: N may be 0)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
 def _bias(output_grad, channel_dim=-1):
@@ -118,7 +120,8 @@ def _summed_to(t, shape, channel_dim):
     """``t`` summed over every dimension but the samples' and the parameter's: (N, *shape)."""
     if channel_dim != -1:
         t = t.movedim(channel_dim, -1)
-    return DenseGrads(t.reshape(t.shape[0], -1, *shape).sum(1))
+    middle = math.prod(t.shape[1 : t.dim() - len(shape)])
+    return DenseGrads(t.reshape(t.shape[0], middle, *shape).sum(1))
 
 
 @register_rule(nn.LayerNorm)
