@@ -73,21 +73,20 @@ def median_seconds(call, repeats, min_seconds):
 
 def gpt2_main(repeats, min_seconds):
     """The collector on GPT-2, against gradient-metrics 0.5.0."""
-    import transformers
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' GPT-2
+    from any_models import hf_gpt2, token_losses
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=16)
-    model = transformers.GPT2LMHeadModel(config)
+    vocab = 50257  # GPT-2's
+    model = hf_gpt2(layers=2, width=64, heads=2, vocab=vocab, positions=16, dropout=0.1)
     print("GPT-2 2 layers, width 64, T = 16; metrics Max, Min, Mean, MeanStd, PNorm(p=2) over the model")
     print(f"{'N':>5} {'gradient-metrics [ms]':>22} {'cockpit_fast [ms]':>18} {'speed-up':>9}")
     warnings.simplefilter("ignore")
     theirs = original.GradientMetricCollector(make_metrics(orig, model))
     ours = GradientMetricCollector(make_metrics(fast, model))  # before the forward passes it watches
     for n in (16, 32, 64):
-        ids = torch.randint(0, config.vocab_size, (n, 16))
-        logits = model(ids).logits
-        flat = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-        loss = flat.reshape(n, -1).mean(1)
+        ids = torch.randint(0, vocab, (n, 16))
+        loss = token_losses(model(ids), ids)
         torch.testing.assert_close(ours(loss, retain_graph=True), theirs(loss, retain_graph=True), rtol=1e-3, atol=1e-6)
         t_theirs, _ = median_seconds(lambda: theirs(loss, retain_graph=True), repeats, min_seconds)
         t_ours, _ = median_seconds(lambda: ours(loss, retain_graph=True), repeats, min_seconds)

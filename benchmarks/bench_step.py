@@ -20,11 +20,13 @@ import torch
 from backpack import extend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' GPT-2
 import cockpit_fast  # noqa: E402
 from cockpit_fast import quantities as fast_quantities  # noqa: E402
 from cockpit_fast.cockpit import Cockpit as FastCockpit  # noqa: E402
 from cockpit_fast.utils import configuration as fast_configuration  # noqa: E402
 from cockpit_fast.utils import schedules as fast_schedules  # noqa: E402
+from any_models import hf_gpt2, token_losses  # noqa: E402
 
 # Cheapest first; HessMaxEV is left out (power iteration dominates and is the same in both).
 CASES = [
@@ -47,16 +49,13 @@ CASES = [
 ]
 
 
-GPT2_TOKENS = 64
+GPT2_TOKENS, GPT2_VOCAB = 64, 50257
 
 
 def build(model_name):
     """Model, input shape and batch size of a benchmark problem (input shape None: tokens)."""
-    if model_name == "gpt2":
-        import transformers
-
-        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, n_positions=GPT2_TOKENS)
-        return _Logits(transformers.GPT2LMHeadModel(config)), None, 16
+    if model_name == "gpt2":  # GPT-2's vocabulary and dropout
+        return hf_gpt2(layers=4, width=128, heads=4, vocab=GPT2_VOCAB, positions=GPT2_TOKENS, dropout=0.1), None, 16
     if model_name == "mlp":
         model = torch.nn.Sequential(
             torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
@@ -73,24 +72,6 @@ def build(model_name):
         torch.nn.Linear(32 * 8 * 8, 10),
     )
     return model, (3, 32, 32), 64
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(ids).logits
-
-
-def _token_losses(logits, ids):
-    """Next-token cross-entropy, the mean over each sequence's positions: (N,)."""
-    n, t = ids.shape
-    flat = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    )
-    return flat.reshape(n, t - 1).mean(1)
 
 
 def make_quantities(case, quantities, configuration, schedules):
@@ -115,7 +96,7 @@ def training_step(model, params, cockpit, batch):
         opt.zero_grad()
         outputs = model(inputs)
         if labels is None:  # language modelling: the sequences are their own labels
-            losses = _token_losses(outputs, inputs)
+            losses = token_losses(outputs, inputs)
             loss = losses.mean()
         else:
             loss = loss_fn(outputs, labels)
@@ -143,7 +124,7 @@ def time_run(model_name, cockpit_factory, steps, seed=0):
     cockpit = cockpit_factory(model.parameters()) if cockpit_factory else None
     data = torch.Generator().manual_seed(seed)
     if input_shape is None:
-        batches = [(torch.randint(0, 50257, (n, GPT2_TOKENS), generator=data), None) for _ in range(4)]
+        batches = [(torch.randint(0, GPT2_VOCAB, (n, GPT2_TOKENS), generator=data), None) for _ in range(4)]
     else:
         batches = [
             (torch.randn(n, *input_shape, generator=data), torch.randint(0, 10, (n,), generator=data))

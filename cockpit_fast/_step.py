@@ -420,9 +420,10 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
         return {}
     hot = HotParameter(index, param, form, grad=grad, route=route)
     values, from_chunks = {}, set()
-    # Dot products last: every form has them in closed form, at the cost of a weight-gradient
-    # product, which is wasted once another statistic has the gradients formed.
-    for statistic in sorted(statistics, key=lambda s: isinstance(s, (_DotMeanGrad, Projection))):
+    # Histograms first, dot products last: the closed forms most often missing are tried before
+    # the costly ones (a dot product through factors is a weight-gradient product), which are
+    # wasted once another statistic has the gradients formed.
+    for statistic in sorted(statistics, key=_closed_form_cost):
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None and route == "auto":
             # The gradients are formed anyway: every statistic reads them in the same pass.
@@ -441,6 +442,12 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
         for statistic in from_chunks:
             values[statistic] = statistic.merge(parts[statistic])
     return values
+
+
+def _closed_form_cost(statistic):
+    if isinstance(statistic, (_DotMeanGrad, Projection)):
+        return 2
+    return 1 if statistic in (BATCH_L2, SUM_GRAD_SQUARED) else 0
 
 
 def _from_grad_batch(hot, statistics):

@@ -149,12 +149,14 @@ class BatchNormNet(nn.Module):
         return self.head(F.relu(self.bn(self.lin(x))))
 
 
-def hf_gpt2(layers=2, width=16, heads=2, vocab=VOCAB, positions=TOKENS):
-    """A Hugging Face GPT-2 from a small config: random weights, nothing downloaded."""
-    transformers = __import__("pytest").importorskip("transformers")
+def hf_gpt2(layers=2, width=16, heads=2, vocab=VOCAB, positions=TOKENS, dropout=0.0):
+    """A Hugging Face GPT-2 from a small config that returns its logits: random weights, nothing
+    downloaded (also the benchmarks' GPT-2)."""
+    import transformers
+
     config = transformers.GPT2Config(
         n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=positions,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )
     return _LogitsOnly(transformers.GPT2LMHeadModel(config))
 
