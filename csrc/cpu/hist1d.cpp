@@ -45,7 +45,7 @@ at::Tensor hist1d_cpu(const at::Tensor& g, int64_t bins, double lo, double hi, d
       hist1d_kernel<scalar_t>(args.rows, bins, lo, hi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -260,7 +260,7 @@ at::Tensor outer_hist1d_cpu(const at::Tensor& left, const at::Tensor& right, int
       outer_hist1d_kernel<scalar_t>(args.left, args.right, bins, lo, hi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -75,7 +75,7 @@ at::Tensor outer_hist2d_cpu(const at::Tensor& left, const at::Tensor& right,
                                     ylo, yhi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

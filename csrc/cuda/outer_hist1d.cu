@@ -59,7 +59,7 @@ at::Tensor outer_hist1d_cuda(const at::Tensor& left, const at::Tensor& right, in
       });
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -71,7 +71,7 @@ at::Tensor outer_hist2d_cuda(const at::Tensor& left, const at::Tensor& right,
       count_row_tiles(op, n_rows, q, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace
