@@ -5,12 +5,14 @@ Each rank's backward pass sees its own samples only: BackPACK's ``grad_batch`` t
 those of its shard. :func:`reduce_step` turns them into those of the global batch (the
 concatenation of every rank's samples, ``N = sum_r N_r``) before any quantity reads them, so
 every quantity equals that of one process on the concatenated batch, whatever the batch size of
-each rank. A step's reductions travel in four collectives, each over one flat buffer:
+each rank. A step's reductions travel in four collectives (five with histograms: see 2), each
+over one flat buffer:
 
 1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
 2. ``all_reduce(SUM)`` of everything that adds up: the gradient sum ``sum_n ∇ℓ_n``, summed
-   statistics back in units of ``∇ℓ_n`` (histograms, sums of squared gradients), the loss
-   times ``N_r``, diagonal curvatures times ``N_r``;
+   statistics back in units of ``∇ℓ_n`` (sums of squared gradients), the loss times ``N_r``,
+   diagonal curvatures times ``N_r``; histogram counts in a second, int64 buffer, so that they
+   stay exact (float32 holds counts only up to 2^24);
 3. ``all_gather`` of per-sample values (squared norms, projections, individual losses), taken to
    the global batch's units first and concatenated in rank order;
 4. ``all_reduce(MAX)`` of the abs-maxima that bin adaptation asks for.
@@ -133,10 +135,11 @@ def reduce_step(ctx, curvature_names=()):
     parts += [local_n * getattr(p, name).detach() for name in curvature_names for p in params]
     if has_loss:
         parts.append(local_n * ctx.loss(_REDUCTION))
-    totals = iter(_unflatten(_all_reduce(parts, dist.ReduceOp.SUM, group), parts))
+    totals = iter(_all_sum(parts, group))
     ctx.set_global_grads([next(totals) / global_n for _ in params])
     for s, i in summed:
-        results[s][i] = next(totals) / global_n**s.sample_power
+        total = next(totals)
+        results[s][i] = total / global_n**s.sample_power if s.sample_power else total  # counts stay int64
     for name in curvature_names:
         ctx.set_curvature(name, [next(totals) / global_n for _ in params])
     if has_loss:
@@ -243,6 +246,19 @@ def _all_reduce(parts, op, group):
     return flat
 
 
+def _all_sum(parts, group):
+    """``parts`` summed over the group, shaped and typed like them. Integer parts (histogram
+    counts) travel in their own int64 buffer, exact at any count; the rest in one float buffer."""
+    out = [None] * len(parts)
+    for integer in (False, True):
+        indices = [k for k, p in enumerate(parts) if p.is_floating_point() != integer]
+        if indices:
+            chosen = [parts[k] for k in indices]
+            for k, total in zip(indices, _unflatten(_all_reduce(chosen, dist.ReduceOp.SUM, group), chosen)):
+                out[k] = total
+    return out
+
+
 def _unflatten(flat, parts):
     """Split ``flat`` back into tensors shaped and typed like ``parts``."""
     out, offset = [], 0
@@ -271,5 +287,7 @@ def _gather_per_sample(pieces, lengths, group):
 
 
 def _buffer_dtype(parts):
-    """float64 if any part is, else float32: float32 counts are exact up to 2^24 per bin."""
+    """int64 for integer parts only (counts), else float64 if any part is, else float32."""
+    if not any(p.is_floating_point() for p in parts):
+        return torch.int64
     return torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32

@@ -113,7 +113,7 @@ def batch_l2_and_sum_grad_squared(g, scale=1.0):
 
 
 def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
-    """float32 counts, shape (bins,), of scale * g clamped into ``range`` and binned like torch.histc.
+    """int64 counts, shape (bins,), of scale * g clamped into ``range`` and binned like torch.histc.
 
     Equal-width bins, the last one closed; NaN is never counted, +-inf lands in the outer bins.
     """
@@ -123,7 +123,7 @@ def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
 
 
 def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
-    """float32 counts, shape bins, over pairs (scale * g[n, j], param[j]) for all n, j.
+    """int64 counts, shape bins, over pairs (scale * g[n, j], param[j]) for all n, j.
 
     Both coordinates are clamped to the centres of their outer bins, as Cockpit's GradHist2d does;
     ``param`` is broadcast over N inside the kernel. A pair with a NaN coordinate is not counted.
@@ -195,12 +195,12 @@ def _register_fake_kernels():
     @torch.library.register_fake("cockpit_fast::hist1d")
     def _(g, bins, lo, hi, scale):
         v.hist1d_args(g, bins, (lo, hi), scale)
-        return g.new_empty((bins,), dtype=torch.float32)
+        return g.new_empty((bins,), dtype=torch.int64)
 
     @torch.library.register_fake("cockpit_fast::hist2d")
     def _(g, param, xbins, ybins, xlo, xhi, ylo, yhi, scale):
         v.hist2d_args(g, param, (xbins, ybins), ((xlo, xhi), (ylo, yhi)), scale)
-        return g.new_empty((xbins, ybins), dtype=torch.float32)
+        return g.new_empty((xbins, ybins), dtype=torch.int64)
 
     @torch.library.register_fake("cockpit_fast::batch_dot")
     def _(g, direction, scale):
@@ -215,12 +215,12 @@ def _register_fake_kernels():
     @torch.library.register_fake("cockpit_fast::outer_hist1d")
     def _(left, right, bins, lo, hi, scale):
         v.outer_hist1d_args(left, right, bins, (lo, hi), scale)
-        return left.new_empty((bins,), dtype=torch.float32)
+        return left.new_empty((bins,), dtype=torch.int64)
 
     @torch.library.register_fake("cockpit_fast::outer_hist2d")
     def _(left, right, param, xbins, ybins, xlo, xhi, ylo, yhi, scale):
         v.outer_hist2d_args(left, right, param, (xbins, ybins), ((xlo, xhi), (ylo, yhi)), scale)
-        return left.new_empty((xbins, ybins), dtype=torch.float32)
+        return left.new_empty((xbins, ybins), dtype=torch.int64)
 
 
 if _OPS is not None:

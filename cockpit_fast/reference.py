@@ -43,17 +43,25 @@ def batch_l2_and_sum_grad_squared(g, scale=1.0):
     return squares.sum(1), squares.sum(0).reshape(g.shape[1:])
 
 
+# torch.histc counts in the input's dtype: float32 holds every count up to 2^24 exactly, so
+# chunks of at most that many values are counted exactly, and their counts summed in int64.
+_EXACT_FLOAT32_COUNTS = 2**24
+
+
 @torch.no_grad()
 def hist1d(g, bins=100, range=(-2.0, 2.0), scale=1.0):
-    """Counts of scale * g clamped into [lo, hi], binned like torch.histc; NaN is not counted."""
+    """int64 counts of scale * g clamped into [lo, hi], binned by torch.histc; NaN is not counted."""
     bins, lo, hi, scale = v.hist1d_args(g, bins, range, scale)
-    clamped = _scaled(g, scale).clamp(lo, hi)
-    return torch.histc(clamped, bins=bins, min=lo, max=hi).float()
+    clamped = _scaled(g, scale).clamp(lo, hi).flatten()
+    counts = torch.zeros(bins, dtype=torch.long, device=g.device)
+    for chunk in clamped.split(_EXACT_FLOAT32_COUNTS):
+        counts += torch.histc(chunk, bins=bins, min=lo, max=hi).long()
+    return counts
 
 
 @torch.no_grad()
 def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0):
-    """2D counts over (scale * g[n, j], param[j]), both clamped to the centres of the outer bins.
+    """2D int64 counts over (scale * g[n, j], param[j]), both clamped to the centres of the outer bins.
 
     This is Cockpit's GradHist2d arithmetic: clamp, subtract the lower limit, divide by the bin
     width and truncate; pairs with a NaN coordinate are not counted.
@@ -71,7 +79,7 @@ def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0)
     counted = ~(x.isnan() | y.isnan())
     hist = torch.zeros(xbins * ybins, dtype=torch.long, device=g.device)
     hist.put_(index[counted], torch.ones_like(index[counted]), accumulate=True)
-    return hist.reshape(xbins, ybins).float()
+    return hist.reshape(xbins, ybins)
 
 
 @torch.no_grad()

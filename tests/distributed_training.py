@@ -52,6 +52,11 @@ QUANTITY_SETS = {
     "hessian_max_ev": lambda: [q.HessMaxEV(schedules.linear(1))],
     "alpha_adam": lambda: [q.Alpha(schedules.linear(1))],
     "time_only": lambda: [q.Time(schedules.linear(1))],
+    # One bin, one cell: each counts every gradient value of the step.
+    "one_bin": lambda: [
+        q.GradHist1d(schedules.linear(1), bins=1),
+        q.GradHist2d(schedules.linear(1), bins=(1, 1), keep_individual=True),
+    ],
     # The range adapts on steps without a histogram: those steps read the batch all the same.
     "adapt_off_schedule": lambda: [
         q.GradHist1d(schedules.linear(3), bins=9, adapt=q.GradAbsMax(schedules.linear(2), padding=0.1))

@@ -10,6 +10,7 @@ from backpack import extend
 from cockpit_fast import Cockpit
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.utils import schedules as fast_schedules
+from distributed_training import train
 from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side
 
 # Histogram counts may differ by a few elements sitting on a bin edge, where N * g rounds
@@ -59,6 +60,16 @@ def test_hist2d_per_axis_adaptation_matches_cockpit(route):
 
     expected, actual = side_by_side(make, "mlp", steps=4, route=route)
     assert_same_output(actual, expected, max_count_diff=EDGE_COUNTS)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_histogram_counts_are_exact_past_float32(route):
+    # 4099 samples x 4095 weights = 2^24 + 8189 values in the one bin: float32 would round them.
+    config = {"model": "wide", "quantities": "one_bin", "steps": 1, "batch_size": 4099, "route": route}
+    output = train(config)["output"][0]
+    hist_1d, hist_2d = output["GradHist1d"]["hist"], output["GradHist2d"]["hist"]
+    assert hist_1d.dtype == np.float64 and hist_1d.tolist() == [4099 * 4095]  # float, as Cockpit's
+    assert hist_2d.dtype == np.int64 and hist_2d.tolist() == [[4099 * 4095]]
 
 
 @pytest.mark.parametrize("model_name", MODELS)

@@ -69,6 +69,16 @@ def test_bin_adaptation_off_the_histogram_schedule_uses_the_global_batch(tmp_pat
         assert_same_output(result["output"], expected, max_count_diff=EDGE_COUNTS, path=f"rank {rank}")
 
 
+def test_histogram_counts_stay_exact_across_processes(tmp_path):
+    # Each rank counts fewer than 2^24 values in the one bin, together 2^24 + 8189: a float32 sum
+    # would round them.
+    config = {"model": "wide", "quantities": "one_bin", "steps": 1, "route": "auto"}
+    for result in run_group([2050, 2049], config, tmp_path):
+        output = result["output"][0]
+        assert output["GradHist1d"]["hist"].tolist() == [4099 * 4095]
+        assert output["GradHist2d"]["hist"].tolist() == output["GradHist2d"]["param_0"]["hist"].tolist() == [[4099 * 4095]]
+
+
 def test_per_sample_values_cover_the_global_batch(tmp_path):
     """NormTest reads every sample's norm: a rank's own samples alone would give another value."""
     config = {"model": "mlp", "quantities": "every", "steps": 1}

@@ -35,7 +35,7 @@ def test_matches_reference(device, dtype, param_shape, n, layout, lo, hi):
     g = random_grad(n, param_shape, dtype, device, layout, seed=n, spread=1.5 / n)
     bins, scale = 31, float(n)
     counts = ops.hist1d(g, bins, (lo, hi), scale)
-    assert counts.dtype == torch.float32 and counts.shape == (bins,)
+    assert counts.dtype == torch.int64 and counts.shape == (bins,)
     # Same arithmetic as the reference in the same precision: identical counts.
     assert torch.equal(counts, reference.hist1d(g, bins, (lo, hi), scale))
     # Against float64: every value counted, bins differ only for values at an edge's rounding.
@@ -50,7 +50,7 @@ def test_same_counts_as_cockpit_grad_hist_1d(dtype):
     quantity = grad_hist.GradHist1d(track_schedule=lambda step: True, bins=60, range=(-1.5, 1.5))
     g = random_grad(32, (20, 30), dtype, spread=0.05)
     expected, _edges = quantity._compute_histogram(g)
-    assert torch.equal(ops.hist1d(g, 60, (-1.5, 1.5), scale=32), expected.float())
+    assert torch.equal(ops.hist1d(g, 60, (-1.5, 1.5), scale=32), expected.long())
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -76,6 +76,14 @@ def test_nan_is_not_counted_and_infinities_are_clamped(device):
     assert torch.equal(counts, reference.hist1d(g, 10, (-1.0, 1.0)))
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", [ops, reference], ids=["op", "reference"])
+def test_counts_are_exact_past_float32(device, implementation):
+    # float32 rounds 2^24 + 1 to 2^24: the counts are int64 from the kernel to the caller.
+    g = torch.zeros(1, 2**24 + 1, device=device)
+    counts = implementation.hist1d(g, 100, (-2.0, 2.0))
+    assert counts.dtype == torch.int64 and counts[50] == 2**24 + 1 and counts.sum() == 2**24 + 1
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_concentrated_and_large_histograms(device):
     # Every value in one bin; and more bins than fit in shared memory / the interleaved CPU copies.
     g = torch.full((64, 1000), 0.3, device=device)
@@ -95,8 +103,8 @@ def test_shared_memory_boundaries(device, bins):
 @pytest.mark.parametrize("shape", [(0, 7), (3, 0), (0,)])
 def test_empty_input(device, shape):
     g = torch.empty(shape, device=device)
-    assert torch.equal(ops.hist1d(g, 12), torch.zeros(12, device=device))
-    assert torch.equal(reference.hist1d(g, 12), torch.zeros(12, device=device))
+    assert torch.equal(ops.hist1d(g, 12), torch.zeros(12, dtype=torch.int64, device=device))
+    assert torch.equal(reference.hist1d(g, 12), torch.zeros(12, dtype=torch.int64, device=device))
 
 def test_same_counts_on_any_thread_count():
     g = random_grad(100, (4000,), spread=0.7)

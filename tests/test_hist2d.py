@@ -37,7 +37,7 @@ def test_matches_reference(device, dtype, param_shape, n, layout):
     param = random_param(param_shape, dtype, device)
     scale = float(n)
     counts = ops.hist2d(g, param, BINS, RANGE, scale)
-    assert counts.dtype == torch.float32 and counts.shape == BINS
+    assert counts.dtype == torch.int64 and counts.shape == BINS
     assert torch.equal(counts, reference.hist2d(g, param, BINS, RANGE, scale))
     # Against float64: every pair counted; cells differ only for values at an edge's rounding.
     exact = reference.hist2d(g.double(), param.double(), BINS, RANGE, scale)
@@ -56,7 +56,7 @@ def test_same_counts_as_cockpit_grad_hist_2d(dtype):
     param = torch.nn.Parameter(random_param((20, 30), dtype))
     g._param_weakref = weakref.ref(param)  # what BackPACK attaches to grad_batch
     expected, _edges = quantity._compute_histogram(g)
-    assert torch.equal(ops.hist2d(g, param.data, (40, 50), ((-1, 1), (-2, 2)), scale=32), expected.float())
+    assert torch.equal(ops.hist2d(g, param.data, (40, 50), ((-1, 1), (-2, 2)), scale=32), expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,6 +83,15 @@ def test_nan_in_either_coordinate_is_not_counted(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", [ops, reference], ids=["op", "reference"])
+def test_counts_are_exact_past_float32(device, implementation):
+    # 4097^2 = 2^24 + 8193 pairs in one cell, a count float32 would round to an even one.
+    g, param = torch.zeros(4097, 4097, device=device), torch.zeros(4097, device=device)
+    counts = implementation.hist2d(g, param, (40, 50), ((-1.0, 1.0), (-2.0, 2.0)))
+    assert counts.dtype == torch.int64 and counts.max() == 4097**2 and counts.sum() == 4097**2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_concentrated_and_large_histograms(device):
     g = torch.full((50, 400), 0.01, device=device)
     param = torch.full((400,), -0.5, device=device)
@@ -105,8 +114,8 @@ def test_concentrated_and_large_histograms(device):
 @pytest.mark.parametrize("shape", [(0, 7), (3, 0)])
 def test_empty_input(device, shape):
     g, param = torch.empty(shape, device=device), torch.empty(shape[1:], device=device)
-    assert torch.equal(ops.hist2d(g, param, (3, 4)), torch.zeros(3, 4, device=device))
-    assert torch.equal(reference.hist2d(g, param, (3, 4)), torch.zeros(3, 4, device=device))
+    assert torch.equal(ops.hist2d(g, param, (3, 4)), torch.zeros(3, 4, dtype=torch.int64, device=device))
+    assert torch.equal(reference.hist2d(g, param, (3, 4)), torch.zeros(3, 4, dtype=torch.int64, device=device))
 
 
 def test_same_counts_on_any_thread_count():

@@ -39,7 +39,7 @@ def test_matches_reference(device, dtype, sizes, n, layout):
     delta, inputs = factors(n, *sizes, dtype, device, layout, seed=n)
     bins, lo, hi, scale = 31, -1.0, 1.5, float(n)
     counts = ops.outer_hist1d(delta, inputs, bins, (lo, hi), scale)
-    assert counts.dtype == torch.float32 and counts.shape == (bins,)
+    assert counts.dtype == torch.int64 and counts.shape == (bins,)
     # The formed products in the same dtype, binned by the materialised path: identical counts.
     assert torch.equal(counts, reference.outer_hist1d(delta, inputs, bins, (lo, hi), scale))
     # Against float64 products: every value counted, bins differ only at an edge's rounding.
@@ -142,6 +142,16 @@ def test_products_on_bin_edges(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", [ops, reference], ids=["op", "reference"])
+def test_counts_are_exact_past_float32(device, implementation):
+    # 4097^2 = 2^24 + 8193 products, all 0, a count float32 would round to an even one.
+    delta, inputs = torch.ones(1, 4097, device=device), torch.zeros(1, 4097, device=device)
+    for left, right in [(delta, inputs), (inputs, delta)]:  # a zero factor, and zeros sorted
+        counts = implementation.outer_hist1d(left, right, 100, (-2.0, 2.0))
+        assert counts.dtype == torch.int64 and counts[50] == 4097**2 and counts.sum() == 4097**2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_concentrated_and_large_histograms(device):
     delta = torch.full((8, 20), 0.5, device=device)
     inputs = torch.full((8, 300), 0.6, device=device)
@@ -156,8 +166,8 @@ def test_concentrated_and_large_histograms(device):
 @pytest.mark.parametrize("shapes", [((0, 4), (0, 5)), ((3, 0), (3, 5)), ((3, 4), (3, 0))])
 def test_empty_input(device, shapes):
     delta, inputs = torch.randn(shapes[0], device=device), torch.randn(shapes[1], device=device)
-    assert torch.equal(ops.outer_hist1d(delta, inputs, 12), torch.zeros(12, device=device))
-    assert torch.equal(reference.outer_hist1d(delta, inputs, 12), torch.zeros(12, device=device))
+    assert torch.equal(ops.outer_hist1d(delta, inputs, 12), torch.zeros(12, dtype=torch.int64, device=device))
+    assert torch.equal(reference.outer_hist1d(delta, inputs, 12), torch.zeros(12, dtype=torch.int64, device=device))
 
 
 def test_same_counts_on_any_thread_count():

@@ -31,7 +31,7 @@ def test_matches_reference(device, dtype, sizes, n, layout):
     delta, inputs = factors(n, *sizes, dtype, device, layout, seed=n)
     param = random_param(sizes, dtype, device)
     counts = ops.outer_hist2d(delta, inputs, param, BINS, RANGE, float(n))
-    assert counts.dtype == torch.float32 and counts.shape == BINS
+    assert counts.dtype == torch.int64 and counts.shape == BINS
     assert torch.equal(counts, reference.outer_hist2d(delta, inputs, param, BINS, RANGE, float(n)))
     # Against float64: every pair counted; a pair moves only where x sits at an edge's rounding.
     exact = reference.outer_hist2d(delta.double(), inputs.double(), param.double(), BINS, RANGE, float(n))
@@ -49,6 +49,16 @@ def test_same_counts_as_hist2d_of_the_materialised_outer_products(dtype):
     for bins, rng in [((40, 50), ((-1.0, 1.0), (-2.0, 2.0))), ((300, 200), ((-0.1, 0.1), (-3.0, 3.0)))]:
         expected = ops.hist2d(grad_batch, param, bins, rng, scale=32)
         assert torch.equal(ops.outer_hist2d(delta, inputs, param, bins, rng, scale=32), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", [ops, reference], ids=["op", "reference"])
+def test_counts_are_exact_past_float32(device, implementation):
+    # 4097^2 = 2^24 + 8193 pairs in one cell, a count float32 would round to an even one.
+    delta, inputs = torch.ones(1, 4097, device=device), torch.zeros(1, 4097, device=device)
+    param = torch.zeros(4097, 4097, device=device)
+    counts = implementation.outer_hist2d(delta, inputs, param, (40, 50), ((-1.0, 1.0), (-2.0, 2.0)))
+    assert counts.dtype == torch.int64 and counts.max() == 4097**2 and counts.sum() == 4097**2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,8 +91,8 @@ def test_large_histogram(device):
 @pytest.mark.parametrize("n, p, q", [(0, 4, 5), (3, 0, 5), (3, 4, 0)])
 def test_empty_input(device, n, p, q):
     delta, inputs, param = torch.randn(n, p, device=device), torch.randn(n, q, device=device), torch.randn(p, q, device=device)
-    assert torch.equal(ops.outer_hist2d(delta, inputs, param, (3, 4)), torch.zeros(3, 4, device=device))
-    assert torch.equal(reference.outer_hist2d(delta, inputs, param, (3, 4)), torch.zeros(3, 4, device=device))
+    assert torch.equal(ops.outer_hist2d(delta, inputs, param, (3, 4)), torch.zeros(3, 4, dtype=torch.int64, device=device))
+    assert torch.equal(reference.outer_hist2d(delta, inputs, param, (3, 4)), torch.zeros(3, 4, dtype=torch.int64, device=device))
 
 
 def test_same_counts_on_any_thread_count():

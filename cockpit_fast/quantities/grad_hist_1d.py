@@ -11,7 +11,8 @@ class GradHist1d(Quantity):
     """Tracks a histogram of all individual gradient elements, outliers clamped into the range.
 
     The value is ``{"hist": counts (bins,), "edges": bin edges (bins + 1,)}``, summed over
-    parameters.
+    parameters. The counts are float, as Cockpit's (torch.histc), but float64 and exact: they are
+    summed in int64, and float64 holds every count below 2^53 (float32 only below 2^24).
 
     Args:
         track_schedule (callable): When to track.
@@ -47,7 +48,7 @@ class GradHist1d(Quantity):
             self._range = tuple(self._adapt.new_range(ctx, self._range, self._bins))
 
     def _compute(self, ctx):
-        hist = ctx.summed(self._histogram())
+        hist = ctx.summed(self._histogram()).double()
         start, end = self._range
         edges = torch.linspace(start, end, self._bins + 1, device=hist.device)
         return {"hist": hist, "edges": edges}

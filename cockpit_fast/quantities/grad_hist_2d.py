@@ -64,7 +64,7 @@ class GradHist2d(Quantity):
                 self._range[axis] = tuple(adapt.new_range(ctx, self._range[axis], self._bins[axis]))
 
     def _compute(self, ctx):
-        hists = [h.long() for h in ctx.per_param(self._histogram())]
+        hists = ctx.per_param(self._histogram())
         device = hists[0].device
         edges = tuple(
             torch.linspace(lo, hi, bins + 1, device=device) for bins, (lo, hi) in zip(self._bins, self._range)

@@ -14,8 +14,6 @@
 namespace cockpit_fast {
 namespace {
 
-constexpr int64_t kBatch = 2048;  // slots computed per batch (a vectorised loop), then counted
-
 template <typename scalar_t>
 void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, double scale,
                    at::Tensor& counts) {
@@ -23,24 +21,21 @@ void hist1d_kernel(const at::Tensor& rows, int64_t bins, double lo, double hi, d
   const Hist1dBins<acc_t> b = make_hist1d_bins<acc_t>(bins, lo, hi);
   const acc_t s = static_cast<acc_t>(scale);
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
-  PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
 
-  at::parallel_for(0, rows.numel(), kValuesPerTask, [&](int64_t begin, int64_t end) {
-    int64_t* mine = histograms.mine();
-    int32_t slots[kBatch];
-    for (int64_t base = begin; base < end; base += kBatch) {
-      const int64_t len = std::min(kBatch, end - base);
+  count_histogram(counts, rows.numel(), kValuesPerTask, [&](int64_t begin, int64_t end, SlotCounter& counter) {
+    int32_t* slots = counter.slots();
+    for (int64_t base = begin; base < end; base += kSlotBatch) {
+      const int64_t len = std::min(kSlotBatch, end - base);
       if (b.inverse_span != acc_t(0)) {
         hist1d_slots<true>(data + base, len, s, b, slots);
       } else {
         hist1d_slots<false>(data + base, len, s, b, slots);
       }
       const int64_t next = base + len;
-      const int64_t next_len = std::min(kBatch, end - next);
-      histograms.count(mine, slots, len, {data + next, next_len * int64_t(sizeof(scalar_t))});
+      const int64_t next_len = std::min(kSlotBatch, end - next);
+      counter.count(len, {data + next, next_len * int64_t(sizeof(scalar_t))});
     }
   });
-  histograms.sum_into(counts.data_ptr<int64_t>(), bins);
 }
 
 at::Tensor hist1d_cpu(const at::Tensor& g, int64_t bins, double lo, double hi, double scale) {
@@ -50,7 +45,7 @@ at::Tensor hist1d_cpu(const at::Tensor& g, int64_t bins, double lo, double hi, d
       hist1d_kernel<scalar_t>(args.rows, bins, lo, hi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

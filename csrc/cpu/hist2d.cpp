@@ -16,7 +16,6 @@
 namespace cockpit_fast {
 namespace {
 
-constexpr int64_t kTileColumns = 2048;
 constexpr int64_t kGroupRows = 16;
 
 template <typename scalar_t>
@@ -30,24 +29,18 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
   const int32_t discard = static_cast<int32_t>(xbins * ybins);  // slot of uncounted pairs
   const acc_t s = static_cast<acc_t>(scale);
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
+  const std::vector<int32_t> column_bin = axis_bins(param.const_data_ptr<scalar_t>(), n_cols, y_axis);
 
-  // The y bin of every column (-1 where the parameter is NaN), computed once for all samples.
-  std::vector<int32_t> column_bin(n_cols);
-  const scalar_t* p = param.const_data_ptr<scalar_t>();
-  at::parallel_for(0, n_cols, kValuesPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) column_bin[j] = hist2d_axis_bin(static_cast<acc_t>(p[j]), y_axis);
-  });
-
-  PrivateHistograms histograms(discard + 1);
-  const int64_t n_tiles = (n_cols + kTileColumns - 1) / kTileColumns;
+  // A block is a tile of kSlotBatch columns over a group of rows.
+  const int64_t n_tiles = (n_cols + kSlotBatch - 1) / kSlotBatch;
   const int64_t n_groups = (n_rows + kGroupRows - 1) / kGroupRows;
-  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kTileColumns);
-  at::parallel_for(0, n_groups * n_tiles, grain_for(values_per_block), [&](int64_t begin, int64_t end) {
-    int64_t* mine = histograms.mine();
-    int32_t slots[kTileColumns];
+  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kSlotBatch);
+  count_histogram(counts, n_groups * n_tiles, grain_for(values_per_block),
+                  [&](int64_t begin, int64_t end, SlotCounter& counter) {
+    int32_t* slots = counter.slots();
     for (int64_t block = begin; block < end; ++block) {
       const int64_t group = block / n_tiles, tile = block % n_tiles;
-      const int64_t j0 = tile * kTileColumns, len = std::min(kTileColumns, n_cols - j0);
+      const int64_t j0 = tile * kSlotBatch, len = std::min(kSlotBatch, n_cols - j0);
       const int32_t* y_bins = column_bin.data() + j0;
       const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
       for (int64_t n = group * kGroupRows; n < n_end; ++n) {
@@ -56,11 +49,10 @@ void hist2d_kernel(const at::Tensor& rows, const at::Tensor& param, int64_t xbin
         const Upcoming next = n + 1 < n_rows
                                   ? Upcoming{data + (n + 1) * n_cols + j0, len * int64_t(sizeof(scalar_t))}
                                   : Upcoming{};
-        histograms.count(mine, slots, len, next);
+        counter.count(len, next);
       }
     }
   });
-  histograms.sum_into(counts.data_ptr<int64_t>(), discard);
 }
 
 at::Tensor hist2d_cpu(const at::Tensor& g, const at::Tensor& param, int64_t xbins, int64_t ybins,
@@ -72,7 +64,7 @@ at::Tensor hist2d_cpu(const at::Tensor& g, const at::Tensor& param, int64_t xbin
                               args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -223,10 +223,8 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
   const scalar_t* columns = sorted_factor.const_data_ptr<scalar_t>();
   const RowCounter<scalar_t> counter(bins, lo, hi, scale, sorting_pays(p, q));
   const bool sort = counter.counts_runs();
-  PrivateHistograms histograms(bins + 1);  // + the discard slot for NaN
-
-  at::parallel_for(0, n, grain_for(p * q), [&](int64_t begin, int64_t end) {
-    int64_t* mine = histograms.mine();
+  count_histogram(counts, n, grain_for(p * q), [&](int64_t begin, int64_t end, SlotCounter& thread) {
+    int64_t* mine = thread.counters();
     std::vector<scalar_t> sorted(sort ? q : 0), scratch(sort ? q : 0);
     for (int64_t sample = begin; sample < end; ++sample) {
       const scalar_t* u = rows + sample * p;
@@ -252,7 +250,6 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
       }
     }
   });
-  histograms.sum_into(counts.data_ptr<int64_t>(), bins);
 }
 
 at::Tensor outer_hist1d_cpu(const at::Tensor& left, const at::Tensor& right, int64_t bins,
@@ -263,7 +260,7 @@ at::Tensor outer_hist1d_cpu(const at::Tensor& left, const at::Tensor& right, int
       outer_hist1d_kernel<scalar_t>(args.left, args.right, bins, lo, hi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -17,7 +17,6 @@
 namespace cockpit_fast {
 namespace {
 
-constexpr int64_t kTileColumns = 2048;
 constexpr int64_t kBlockValues = 16384;  // parameter bins (int32) one task keeps hot: 64 KiB
 constexpr int64_t kGroupSamples = 16;
 
@@ -33,13 +32,7 @@ void outer_hist2d_kernel(const at::Tensor& left, const at::Tensor& right, const 
   const acc_t s = static_cast<acc_t>(scale);
   const scalar_t* u = left.const_data_ptr<scalar_t>();
   const scalar_t* v = right.const_data_ptr<scalar_t>();
-
-  // The y bin of every parameter element (-1 where it is NaN), computed once for all samples.
-  std::vector<int32_t> param_bin(p * q);
-  const scalar_t* w = param.const_data_ptr<scalar_t>();
-  at::parallel_for(0, p * q, kValuesPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) param_bin[k] = hist2d_axis_bin(static_cast<acc_t>(w[k]), y_axis);
-  });
+  const std::vector<int32_t> param_bin = axis_bins(param.const_data_ptr<scalar_t>(), p * q, y_axis);
 
   // A task bins a block of rows i for a group of samples: the block's parameter bins stay in
   // cache while every sample of the group passes over them.
@@ -47,10 +40,9 @@ void outer_hist2d_kernel(const at::Tensor& left, const at::Tensor& right, const 
   const int64_t n_blocks = (p + rows_per_block - 1) / rows_per_block;
   const int64_t n_groups = (n + kGroupSamples - 1) / kGroupSamples;
   const int64_t values_per_task = std::min(p, rows_per_block) * q * std::min(n, kGroupSamples);
-  PrivateHistograms histograms(discard + 1);
-  at::parallel_for(0, n_blocks * n_groups, grain_for(values_per_task), [&](int64_t begin, int64_t end) {
-    int64_t* mine = histograms.mine();
-    int32_t slots[kTileColumns];
+  count_histogram(counts, n_blocks * n_groups, grain_for(values_per_task),
+                  [&](int64_t begin, int64_t end, SlotCounter& counter) {
+    int32_t* slots = counter.slots();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % n_blocks, group = task / n_blocks;
       const int64_t i_end = std::min(p, (block + 1) * rows_per_block);
@@ -60,17 +52,16 @@ void outer_hist2d_kernel(const at::Tensor& left, const at::Tensor& right, const 
         for (int64_t i = block * rows_per_block; i < i_end; ++i) {
           const scalar_t factor = u[sample * p + i];
           const int32_t* y_bins = param_bin.data() + i * q;
-          for (int64_t j0 = 0; j0 < q; j0 += kTileColumns) {
-            const int64_t len = std::min(kTileColumns, q - j0);
+          for (int64_t j0 = 0; j0 < q; j0 += kSlotBatch) {
+            const int64_t len = std::min(kSlotBatch, q - j0);
             outer_hist2d_slots(factor, v_row + j0, y_bins + j0, len, s, x_axis, y_axis.bins,
                                discard, slots);
-            histograms.count(mine, slots, len);
+            counter.count(len);
           }
         }
       }
     }
   });
-  histograms.sum_into(counts.data_ptr<int64_t>(), discard);
 }
 
 at::Tensor outer_hist2d_cpu(const at::Tensor& left, const at::Tensor& right,
@@ -84,7 +75,7 @@ at::Tensor outer_hist2d_cpu(const at::Tensor& left, const at::Tensor& right,
                                     ylo, yhi, scale, args.counts);
     });
   }
-  return counts_as_float(args.counts);
+  return args.counts;
 }
 
 }  // namespace

@@ -1,15 +1,23 @@
-// Per-thread histograms for the CPU histogram kernels. Integer counts merge exactly, so the
+// The skeleton of the CPU histogram kernels: per-thread histograms, counted from batches of
+// slots, summed into the int64 counts (count_histogram). Integer counts merge exactly, so the
 // result never depends on the number of threads. Small histograms get several interleaved
 // copies per thread: a run of values in one bin then alternates between counters instead of
 // waiting on one (data concentrated in few bins is the common case for gradients).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "cockpit_fast/arithmetic.h"
+#include "parallel.h"
+
 namespace cockpit_fast {
+
+// Slots a kernel computes per batch (a vectorised loop) before counting them: 8 KiB, in L1.
+constexpr int64_t kSlotBatch = 2048;
 
 // Memory a kernel will read after the current batch (see PrivateHistograms::count).
 struct Upcoming {
@@ -82,5 +90,52 @@ class PrivateHistograms {
   int64_t slots_, copies_, threads_, stride_;
   std::vector<int64_t> counts_;
 };
+
+// What a task of count_histogram counts with: a batch of slots and the thread's counters.
+class SlotCounter {
+ public:
+  SlotCounter(const PrivateHistograms& histograms, int64_t* mine, int32_t* slots)
+      : histograms_(histograms), mine_(mine), slots_(slots) {}
+
+  // Room for kSlotBatch slots.
+  int32_t* slots() { return slots_; }
+
+  // Counts slots()[0..len), asking the cache for `upcoming` meanwhile (PrivateHistograms::count).
+  void count(int64_t len, Upcoming upcoming = {}) { histograms_.count(mine_, slots_, len, upcoming); }
+
+  // The thread's counters, for a kernel that adds counts to slots directly.
+  int64_t* counters() { return mine_; }
+
+ private:
+  const PrivateHistograms& histograms_;
+  int64_t* mine_;
+  int32_t* slots_;
+};
+
+// Runs task(begin, end, counter) over the ranges at::parallel_for splits [0, n) into (at least
+// `grain` items each), every thread counting into its own counters, then adds them into
+// `counts` (int64, zero-filled). Slot counts.numel() is the discard slot, never written out.
+template <typename Task>
+void count_histogram(at::Tensor& counts, int64_t n, int64_t grain, const Task& task) {
+  const int64_t counted = counts.numel();
+  PrivateHistograms histograms(counted + 1);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    int32_t slots[kSlotBatch];
+    SlotCounter counter(histograms, histograms.mine(), slots);
+    task(begin, end, counter);
+  });
+  histograms.sum_into(counts.data_ptr<int64_t>(), counted);
+}
+
+// The hist2d bin along `axis` of each of values[0..n) (-1 for NaN): a parameter's bins, computed
+// once for all samples.
+template <typename scalar_t, typename acc_t>
+std::vector<int32_t> axis_bins(const scalar_t* values, int64_t n, const Hist2dAxis<acc_t>& axis) {
+  std::vector<int32_t> bins(n);
+  at::parallel_for(0, n, kValuesPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) bins[k] = hist2d_axis_bin(static_cast<acc_t>(values[k]), axis);
+  });
+  return bins;
+}
 
 }  // namespace cockpit_fast

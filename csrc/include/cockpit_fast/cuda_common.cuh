@@ -1,5 +1,5 @@
-// Parallel skeleton pieces shared by the CUDA kernels: vector loads, warp reductions, the
-// privatised block histogram and its launch, and the (column tile x row group) grid.
+// Parallel skeleton pieces shared by the CUDA kernels: vector loads, warp reductions and the
+// (column tile x row group) grid. The histogram kernels' skeleton is in cuda_histogram.cuh.
 //
 // Every CUDA entry point checks its arguments before it takes the device guard: with one
 // tensor on the CPU the dispatcher still picks the CUDA kernel, and a guard on a CPU device
@@ -77,90 +77,6 @@ __device__ inline T warp_sum(T v) {
   return v;
 }
 
-// Counts `slot` (if below `limit`) with one atomic per distinct slot per warp: lanes holding
-// the same slot are combined first, so data concentrated in a few bins does not serialise.
-// Every lane of the warp must make the call together.
-template <typename Counter>
-__device__ inline void count_in_warp(Counter* histogram, unsigned int slot, unsigned int limit) {
-  const unsigned int peers = __match_any_sync(0xffffffffu, slot);
-  if ((threadIdx.x % kWarpSize) == static_cast<unsigned int>(__ffs(peers) - 1) && slot < limit) {
-    atomicAdd(histogram + slot, static_cast<Counter>(__popc(peers)));
-  }
-}
-
-// Copies of a shared histogram of `slots` counters a block can hold (one per warp at most);
-// 0 when even one does not fit and the kernel must count in global memory.
-inline int shared_histogram_copies(int64_t slots) {
-  const int64_t fit = kSharedBytes / (slots * static_cast<int64_t>(sizeof(unsigned int)));
-  return static_cast<int>(std::min<int64_t>(fit, kWarps));
-}
-
-// A block's histogram of `counted` bins plus one discard slot (`counted` itself: NaN, lanes past
-// the end). With kShared, `copies` privatised copies in the block's dynamic shared memory, the
-// warps spread over them, updated with warp-aggregated atomics and flushed into the global int64
-// counts once; without (too large for shared memory), warp-aggregated atomics on the global
-// counts, the discard slot dropped.
-template <bool kShared>
-class BlockHistogram {
- public:
-  // Every thread of the block constructs it together (it clears shared memory and syncs).
-  __device__ BlockHistogram(unsigned int* shared, int64_t counted, int copies,
-                            unsigned long long* counts)
-      : shared_(shared),
-        mine_(shared + (threadIdx.x / kWarpSize % copies) * (counted + 1)),
-        counted_(counted),
-        copies_(copies),
-        counts_(counts) {
-    if constexpr (kShared) {
-      for (int64_t i = threadIdx.x; i < (counted_ + 1) * copies_; i += blockDim.x) shared_[i] = 0;
-      __syncthreads();
-    }
-  }
-
-  // Every lane of the warp calls it together (count_in_warp).
-  __device__ void add(int32_t slot) {
-    const auto s = static_cast<unsigned int>(slot);
-    if constexpr (kShared) {
-      count_in_warp(mine_, s, static_cast<unsigned int>(counted_ + 1));
-    } else {
-      count_in_warp(counts_, s, static_cast<unsigned int>(counted_));
-    }
-  }
-
-  // Every thread of the block calls it once, after its last add.
-  __device__ void flush() {
-    if constexpr (kShared) {
-      __syncthreads();
-      for (int64_t b = threadIdx.x; b < counted_; b += blockDim.x) {
-        unsigned long long total = 0;
-        for (int c = 0; c < copies_; ++c) total += shared_[c * (counted_ + 1) + b];
-        if (total > 0) atomicAdd(counts_ + b, total);
-      }
-    }
-  }
-
- private:
-  unsigned int* shared_;
-  unsigned int* mine_;
-  int64_t counted_;
-  int copies_;
-  unsigned long long* counts_;
-};
-
-// Calls launch(std::bool_constant<kShared>, shared_bytes, copies) for a histogram kernel of
-// `counted` bins (+ the discard slot): privatised copies where one fits, else global counting.
-// Checks the launch.
-template <typename F>
-void launch_histogram(int64_t counted, F&& launch) {
-  const int copies = shared_histogram_copies(counted + 1);
-  if (copies > 0) {
-    launch(std::true_type{}, sizeof(unsigned int) * (counted + 1) * copies, copies);
-  } else {
-    launch(std::false_type{}, size_t{0}, 1);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 inline int64_t target_blocks() {
   int device = 0, sm_count = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -169,16 +85,6 @@ inline int64_t target_blocks() {
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-// Blocks of a flat grid-stride loop over `numel` values read `vec` at a time: enough to fill the
-// device, and enough that no block visits 2^31 values (its 32-bit shared counters never overflow).
-inline unsigned int flat_blocks(int64_t numel, int vec) {
-  const int64_t per_block_cap = int64_t(1) << 31;
-  const int64_t needed = std::max(target_blocks(), (numel + per_block_cap - 1) / per_block_cap);
-  const int64_t per_block_step = static_cast<int64_t>(kThreads) * vec;
-  const int64_t useful = (numel + per_block_step - 1) / per_block_step;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min(needed, useful)));
-}
 
 // Grid over an (n_rows, n_cols) matrix: blockIdx.x a tile of kThreads * VEC columns,
 // blockIdx.y a group of consecutive rows. Enough groups to fill the device when tiles are

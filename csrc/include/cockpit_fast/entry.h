@@ -28,7 +28,7 @@ inline SquareNormsArgs square_norms_args(const char* op, const at::Tensor& g, do
           at::zeros({rows.size(1)}, accumulation_options(g))};
 }
 
-// Histogram counts are exact int64 while counting; the op returns them as float32.
+// Histogram counts are int64: exact at any count, and what the op returns.
 struct Hist1dArgs {
   at::Tensor rows, counts;
 };
@@ -134,11 +134,6 @@ inline OuterHist2dArgs outer_hist2d_args(const at::Tensor& left, const at::Tenso
   check_range("outer_hist2d", ylo, yhi, ybins, left.scalar_type(), "y ");
   return {left.contiguous(), right.contiguous(), param.contiguous(),
           at::zeros({xbins, ybins}, left.options().dtype(at::kLong))};
-}
-
-// Every op returns its counts as float32, like torch.histc on float32 input.
-inline at::Tensor counts_as_float(const at::Tensor& counts) {
-  return counts.to(at::kFloat);
 }
 
 }  // namespace cockpit_fast
