@@ -3,6 +3,7 @@
 import json
 import os
 import warnings
+import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -15,6 +16,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast._step import ROUTES, StepContext, collect_statistics
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.per_sample import Capture, whole_graph_grads
+from cockpit_fast.per_sample.capture import mixed_calls
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import Quantity, merged_hooks
 
@@ -84,7 +86,8 @@ class Cockpit:
         self._steps_since_output = 0
         # Watches the forward passes from now on: the per-sample gradients come from their calls.
         self._capture = Capture(self.params)
-        self._tracked_steps = 0
+        self._checked = False  # the first step with per-sample statistics checks the model
+        self._mixed_modules = weakref.WeakSet()  # modules whose samples cannot be told apart
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -305,16 +308,18 @@ class _TrackedBackward:
 
     def __enter__(self):
         cockpit, ctx = self._cockpit, self._ctx
-        # What a model's structure decides is checked on the first tracked step (a sync on a GPU,
-        # and for the sums one more weight-gradient product per layer).
-        first_check = cockpit._tracked_steps == 0
-        if first_check:
+        # What a model's structure decides is checked on the first step with per-sample
+        # statistics: a sync on a GPU, two more backward passes, and for the sums one more
+        # weight-gradient product per layer.
+        self._check_sums = bool(ctx.requests) and not cockpit._checked
+        if self._check_sums:
             _check_mean_loss(ctx)
+            cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
+            cockpit._checked = True
         _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
         if ctx.requests:
-            self._whole_graph = _whole_graph_forms(cockpit._capture, ctx)
+            self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
             cockpit._capture.arm()
-        self._check_sums = bool(ctx.requests) and first_check
         if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
             keep_graph = cockpit.create_graph(ctx.global_step)
             self._grads = GradientCapture(cockpit.params, keep_graph, copy=ctx.group is not None)
@@ -325,7 +330,7 @@ class _TrackedBackward:
         cockpit, ctx = self._cockpit, self._ctx
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
-        forms = cockpit._capture.disarm(skip=self._whole_graph) if ctx.requests else {}
+        forms = cockpit._capture.disarm(skip=self._whole_graph)[0] if ctx.requests else {}
         if self._grads is not None:
             self._grads.remove()
             ctx.local_grads = self._grads.grads
@@ -336,7 +341,6 @@ class _TrackedBackward:
         if self._check_sums:  # the whole graph's add up by construction
             _check_sums(ctx, forms, cockpit._capture.hooked | set(self._whole_graph))
         collect_statistics(ctx, forms, cockpit.per_sample_route)
-        cockpit._tracked_steps += 1
         cockpit._track(ctx, self._buffers, self._curvature_names)
 
 
@@ -362,29 +366,50 @@ def _batch_size(ctx):
     return None
 
 
-def _whole_graph_forms(capture, ctx):
+def _modules_mixing_samples(capture, ctx):
+    """The modules of calls whose samples the engine cannot tell apart (:func:`mixed_calls`),
+    found with every sample's own loss where the user hands them in."""
+    losses = ctx.info("individual_losses", None) if ctx.has_info("individual_losses") else None
+    params = [p for p in ctx.params if p.requires_grad]
+    if losses is None or losses.grad_fn is None or capture.mixing:
+        return []
+    capture.arm()
+    torch.autograd.grad(losses, params, torch.ones_like(losses), retain_graph=True, allow_unused=True)
+    _, fired = capture.disarm()
+    return [call.module for call in mixed_calls(capture, losses, params, fired, torch.ones_like(losses))]
+
+
+def _whole_graph_forms(capture, ctx, mixed_modules):
     """Per-sample gradients, computed now through the whole graph, of the tracked parameters
     that no module call can give exactly: all of them where samples interact (a batch norm in
-    training mode), those of calls that cannot be replayed (random ops) or that do not hold
-    the batch's samples along their first dimension, and those no call captured."""
+    training mode), those of calls that cannot be replayed (random ops), do not hold the
+    batch's samples along their first dimension or are shared by every sample
+    (``mixed_modules``), and those no call captured."""
     n = _batch_size(ctx)
-    owners = capture.owners()
     covered, inexact = set(), set()
-    for module, ids, call in owners:
+    for call in capture.calls():
+        ids = {id(p) for p in call.params.values()}
         covered |= ids
-        if (n is not None and call.batch_size != n) or (call.needs_replay() and call.replays_randomness()):
+        if (
+            (n is not None and call.batch_size != n)
+            or call.module in mixed_modules
+            or (call.needs_replay() and call.replays_randomness())
+        ):
             inexact |= ids
     tracked = {id(p) for p in ctx.params}
     if capture.mixing:
-        why = f"samples interact through {type(next(iter(capture.mixing))).__name__} in training mode"
+        why = f"samples interact through {type(capture.mixing[0]).__name__} in training mode"
         needed = tracked
     elif inexact:
-        needed, why = inexact, "a module call draws random numbers (dropout) or has no sample dimension first"
+        needed, why = inexact, (
+            "a module call draws random numbers (dropout), or its samples cannot be told apart (not along "
+            "dimension 0, or one call shared by every sample)"
+        )
     else:
         needed, why = tracked - covered, "no module call captured them (used before the cockpit was made?)"
     if not needed:
         return {}
-    losses = ctx._info.get("individual_losses")
+    losses = ctx.info("individual_losses", None) if ctx.has_info("individual_losses") else None
     if losses is None or losses.grad_fn is None:
         if needed <= tracked - covered:  # unused parameters: per_param() says so
             return {}
@@ -437,8 +462,8 @@ def _check_curvature_support(capture, extensions, requested_by):
         if ext.savefield not in CURVATURE_EXTENSIONS:
             continue
         supported = ext._BackpropExtension__module_extensions
-        for module, _, _ in capture.owners():
-            for leaf in module.modules():
+        for call in capture.calls():
+            for leaf in call.module.modules():
                 if next(leaf.parameters(recurse=False), None) is not None and type(leaf) not in supported:
                     names = ", ".join(requested_by.get(type(ext), [type(ext).__name__]))
                     raise ValueError(

@@ -312,3 +312,121 @@ def test_a_batch_of_no_samples_gives_empty_histograms_as_cockpit_does(route):
     output = cockpit.get_output()[0]
     assert output["GradHist1d"]["hist"].shape == (7,) and output["GradHist1d"]["hist"].sum() == 0
     assert output["GradHist2d"]["hist"].shape == (3, 4) and output["GradHist2d"]["hist"].sum() == 0
+
+
+class NanoGPTPositions(torch.nn.Module):
+    """Positions looked up as ``arange(T)`` (no sample dimension), broadcast over the samples."""
+
+    def __init__(self, vocab=11, width=6, tokens=N):
+        super().__init__()
+        self.tokens, self.positions = torch.nn.Embedding(vocab, width), torch.nn.Embedding(tokens, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))))
+
+
+class AttentionPool(torch.nn.Module):
+    """A learned query looked up once (ids of shape (1,)), a Linear subclass with its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = torch.nn.Embedding(1, 6)
+        self.lin = MaskedLinear(6, 3)
+
+    def forward(self, x):
+        q = self.query(torch.zeros(1, dtype=torch.long))  # (1, 6), whatever the batch
+        weights = torch.softmax(x @ q.squeeze(0), dim=1)  # (N, T)
+        return self.lin((weights.unsqueeze(2) * x).sum(1))
+
+
+class MaskedLinear(torch.nn.Linear):
+    """A Linear subclass computing something else than a Linear: it has no Linear rule."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.register_buffer("mask", torch.ones_like(self.weight))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.mask, self.bias)
+
+
+def _norm_test_against_oracle(model, x, y, losses_of, steps=1, before_step=None):
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    expected = []
+    for step in range(steps):
+        if before_step:
+            before_step(step)
+        g = flat(_oracle(model, params, losses_of, x, y, {}))
+        mean = g.mean(0)
+        expected.append(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5)
+        _step(model, params, losses_of, x, y, cockpit, step, None)
+    output = cockpit.get_output()
+    return [output[s]["NormTest"] for s in range(steps)], expected
+
+
+def test_positions_looked_up_once_match_the_oracle_and_keep_output_shapes():
+    torch.manual_seed(0)
+    model = NanoGPTPositions().double()
+    ids = torch.randint(0, 11, (N, N))  # T == N: sizes alone cannot tell positions from samples
+    losses_of = lambda m, x, y: torch.nn.functional.cross_entropy(m(x).transpose(1, 2), x, reduction="none").mean(1)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual, expected = _norm_test_against_oracle(model, ids, None, losses_of)
+    assert actual == pytest.approx(expected, rel=1e-7)
+    assert model(ids[:1]).shape == (1, N, 11)  # a batch of one stays one
+
+
+def test_a_linear_subclass_with_its_own_forward_and_a_query_looked_up_once():
+    torch.manual_seed(0)
+    model = AttentionPool().double()
+    x, y = torch.randn(N, 4, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+    losses_of = lambda m, inputs, labels: torch.nn.functional.cross_entropy(m(inputs), labels, reduction="none")  # noqa: E731
+
+    def prune(step):  # the mask changes after the first step: a Linear rule would miss it
+        if step == 1:
+            model.lin.mask[0] = 0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual, expected = _norm_test_against_oracle(model, x, y, losses_of, steps=2, before_step=prune)
+    assert actual == pytest.approx(expected, rel=1e-7)
+    assert model(x).shape == (N, 3)
+
+
+def test_a_compiled_model_runs_under_a_cockpit():
+    model, batch, losses_of = build("twice_applied", torch.float32)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])  # noqa: F841
+    compiled = torch.compile(model, backend="eager")
+    x, _ = batch(N, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_nothing_of_a_tracked_step_is_kept_after_it():
+    import weakref
+
+    model, batch, losses_of = build("twice_applied", torch.float32)
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    _step(model, params, losses_of, x, y, cockpit, 0, None)
+    watched = weakref.ref(x)
+    del x
+    assert watched() is None  # no call, no fired gradient holds the step's input
+
+
+def test_a_batch_norm_elsewhere_and_a_failed_forward_leave_other_models_alone():
+    model, batch, losses_of = build("twice_applied", torch.float32)
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    other(torch.randn(6, 3)).sum().backward()  # its graph is gone: it mixes nothing now
+    attention = torch.nn.MultiheadAttention(8, 2)  # time first
+    with pytest.raises(Exception):
+        attention(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))  # wrong width: raises inside
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    losses = losses_of(model, x, y)
+    with cockpit(0, info={"batch_size": N, "loss": losses.mean()}):  # no individual losses needed
+        losses.mean().backward()
+    assert cockpit.get_output()[0]["NormTest"] > 0

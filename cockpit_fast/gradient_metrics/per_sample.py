@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from cockpit_fast.per_sample import DenseGrads
+from cockpit_fast.per_sample.capture import mixed_calls
 
 _warned = set()
 
@@ -58,15 +59,10 @@ def _from_calls(capture, loss, targets):
     n = loss.shape[0]
     capture.arm()
     grads = torch.autograd.grad(loss, targets, torch.ones_like(loss), retain_graph=True, allow_unused=True)
-    forms, fired = capture.disarm(), capture.fired
+    forms, fired = capture.disarm()
     if not forms:
         return {}
-    weights = 1 + torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    weights = weights.to(device=loss.device, dtype=loss.dtype)
-    capture.arm()
-    torch.autograd.grad(loss, targets, weights, retain_graph=True, allow_unused=True)
-    capture.disarm()
-    if not _scaled_by_sample(fired, capture.fired, weights):
+    if mixed_calls(capture, loss, targets, fired, torch.ones_like(loss)):
         return {}
     inexact = set()
     for call, _ in fired:
@@ -83,25 +79,6 @@ def _from_calls(capture, loss, targets):
     return exact
 
 
-def _scaled_by_sample(first, second, weights):
-    """Whether every call's output gradients of the weighted pass are the first pass's times
-    each sample's weight: else some sample's loss reaches another sample's outputs."""
-    weighted = {id(call): grads for call, grads in second}
-    for call, grads in first:
-        for g, h in zip(grads, weighted.get(id(call), [])):
-            if g is None or h is None:
-                continue
-            shape = [1] * g.dim()
-            shape[call.sample_dim] = -1
-            expected = g * weights.to(g.dtype).reshape(shape)
-            if not torch.allclose(h, expected, rtol=1e-4 if g.dtype != torch.float64 else 1e-9, atol=_atol(g)):
-                return False
-    return True
-
-
-def _atol(g):
-    return (1e-5 if g.dtype != torch.float64 else 1e-12) * float(g.abs().max()) + 1e-30
-
-
 def _adds_up(summed, grad):
-    return torch.allclose(summed.to(grad.dtype), grad, rtol=1e-3 if grad.dtype != torch.float64 else 1e-7, atol=_atol(grad))
+    atol = (1e-5 if grad.dtype != torch.float64 else 1e-12) * float(grad.abs().max()) + 1e-30
+    return torch.allclose(summed.to(grad.dtype), grad, rtol=1e-3 if grad.dtype != torch.float64 else 1e-7, atol=atol)

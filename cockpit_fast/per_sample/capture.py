@@ -60,7 +60,7 @@ class Call:
         """Whether replaying the call would draw random numbers (dropout in training mode)."""
         return any(
             isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.module.modules()
-        ) or bool(getattr(self.module, "training", False) and getattr(self.module, "dropout", 0))
+        ) or (self.module.training and isinstance(getattr(self.module, "dropout", None), float) and self.module.dropout > 0)
 
     def replay(self, start, stop, output_grads):
         """Per-sample gradients of every parameter of the call, samples ``start`` to ``stop``."""
@@ -112,21 +112,24 @@ class Capture:
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
         self._fired = None  # (call, output gradients) of the armed backward pass
-        self.fired = []  # the same, of the last backward pass it was armed for
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
         self.recent = weakref.WeakSet()  # calls whose graph is alive, for planning a step
-        self.mixing = weakref.WeakSet()  # modules whose samples interact, seen since the last step
+        self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
         me = weakref.ref(self)
         handles = [
             register_module_forward_pre_hook(lambda m, a: _call(me, "_enter", m)),
-            register_module_forward_hook(lambda m, a, k, o: _call(me, "_exit", m, a, k, o), with_kwargs=True),
+            # always_call: a forward that raises must not leave its frame behind.
+            register_module_forward_hook(
+                lambda m, a, k, o: _call(me, "_exit", m, a, k, o), with_kwargs=True, always_call=True
+            ),
         ]
         weakref.finalize(self, lambda: [h.remove() for h in handles])
 
     def _enter(self, module):
         if not self._frames:
             self._batch = 1
-        time_first = getattr(module, "batch_first", None) is False or (bool(self._frames) and self._frames[-1][2])
+        # __dict__: plain attributes only, without Module.__getattr__'s slow path on every call.
+        time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
         self._frames.append((module, set(), time_first))
 
     def _exit(self, module, args, kwargs, output):
@@ -135,36 +138,57 @@ class Capture:
         if not self._frames:
             return
         _, claimed_inside, time_first = self._frames.pop()
-        params = {}
-        if not _replaying[0] and torch.is_grad_enabled():
-            if rules.mixes_samples(module):
-                self.mixing.add(module)
-            # Its own parameters, and its submodules' that no call inside it has claimed.
-            params = {
-                name: p for name, owner, p in self._owned_by(module) if owner is module or id(p) not in claimed_inside
-            }
+        if _replaying[0] or not torch.is_grad_enabled():
+            return None
+        owned = self._owned_by(module)
+        if not owned and not rules.mixes_samples(module):  # nothing to see: the common case
+            if self._frames:
+                self._frames[-1][1].update(claimed_inside)
+            return None
         outputs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not outputs:
-            params = {}
+        if rules.mixes_samples(module) and outputs:
+            token = _Mixing(module)  # lives as long as the graph through this call
+            self._mixing.add(token)
+            outputs[0].register_hook(lambda grad, token=token: None)
+        # Its own parameters, and its submodules' that no call inside it has claimed.
+        params = {name: p for name, owner, p in owned if owner is module or id(p) not in claimed_inside} if outputs else {}
         if self._frames:
             self._frames[-1][1].update(claimed_inside, (id(p) for p in params.values()))
         if not params:
             return None
         sample_dim = 1 if time_first else 0
         replaced = None
-        if isinstance(output, torch.Tensor) and output.dim() > sample_dim:
-            if output.shape[sample_dim] == 1 and self._batch > 1 and rules.rule_for(module) is not None:
-                # One call shared by every sample (positions looked up once, broadcast): its output,
-                # expanded, takes each sample's gradient; the expansion sums them as broadcasting did.
-                replaced = output.expand(*output.shape[:sample_dim], self._batch, *output.shape[sample_dim + 1 :])
-                outputs = [replaced]
-            self._batch = max(self._batch, outputs[0].shape[sample_dim])
-        direct = {name for name, owner, _ in self._owned_by(module) if owner is module}
+        if self._shared_lookup(module, args, output, sample_dim):
+            # Positions looked up once, (1, T), and broadcast over the samples: the output, expanded
+            # (a view), takes each sample's gradient, and the expansion sums them as broadcasting did.
+            replaced = output.expand(self._batch, *output.shape[1:])
+            outputs = [replaced]
+        elif self._batch == 1 and isinstance(output, torch.Tensor) and output.dim() > sample_dim:
+            self._batch = output.shape[sample_dim]  # the first call of the forward pass sets it
+        direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
         self.recent.add(call)
         me = weakref.ref(self)
         torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
         return replaced
+
+    def _shared_lookup(self, module, args, output, sample_dim):
+        """An embedding looking up ids of shape (1, T) after the forward pass showed N > 1 samples."""
+        ids = args[0] if args else None
+        return (
+            isinstance(module, torch.nn.Embedding)
+            and sample_dim == 0
+            and self._batch > 1
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and ids.shape[0] == 1
+            and isinstance(output, torch.Tensor)
+        )
+
+    @property
+    def mixing(self):
+        """Modules whose samples interact, in a graph still alive."""
+        return [token.module for token in self._mixing]
 
     def _owned_by(self, module):
         if module not in self._owned:
@@ -189,10 +213,9 @@ class Capture:
 
     def disarm(self, skip=()):
         """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached,
-        but for the parameters whose ids are in ``skip``."""
+        but for the parameters whose ids are in ``skip``, and the ``(call, output gradients)``
+        it reached."""
         fired, self._fired = self._fired or [], None
-        self.fired = fired
-        self.mixing = weakref.WeakSet()
         parts = defaultdict(list)
         for call, grads in fired:
             if all(id(p) in skip for p in call.params.values()):
@@ -207,13 +230,54 @@ class Capture:
             if key in self.hooked:
                 form = HookedGrads(form, list(self._tracked[key]._backward_hooks.values()))
             forms[key] = form
-        return forms
+        return forms, fired
 
-    def owners(self):
-        """Every live call's module and the ids of the tracked parameters it uses."""
-        return [(call.module, {id(p) for p in call.params.values()}, call) for call in list(self.recent)]
+    def calls(self):
+        """The calls whose graph is alive: the forward pass the next backward pass goes through."""
+        return list(self.recent)
 
 
+def mixed_calls(capture, losses, inputs, fired, grad_outputs):
+    """The calls of ``fired`` (from a backward pass of ``losses`` weighted by ``grad_outputs``)
+    whose samples are not told apart: one more backward pass with random positive weights per
+    sample must give each call's output gradients weighted sample by sample, unless a sample's
+    loss reaches another sample's outputs (samples that interact, samples not along the
+    dimension taken for them, a call shared by every sample). Exact but for a random
+    combination that cancels."""
+    n = losses.shape[0]
+    weights = 1 + torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weights = weights.to(device=losses.device, dtype=losses.dtype)
+    capture.arm()
+    torch.autograd.grad(losses, inputs, weights * grad_outputs, retain_graph=True, allow_unused=True)
+    _, weighted = capture.disarm()
+    seen = {id(call): grads for call, grads in weighted}
+    mixed = []
+    for call, grads in fired:
+        for g, h in zip(grads, seen.get(id(call), [])):
+            if g is None or h is None:
+                continue
+            shape = [1] * g.dim()
+            if g.dim() <= call.sample_dim or g.shape[call.sample_dim] != n:
+                mixed.append(call)
+                break
+            shape[call.sample_dim] = -1
+            expected = g * weights.to(g.dtype).reshape(shape)
+            rtol = 1e-4 if g.dtype != torch.float64 else 1e-9
+            atol = rtol * 0.1 * float(g.abs().max()) + 1e-30
+            if not torch.allclose(h, expected, rtol=rtol, atol=atol):
+                mixed.append(call)
+                break
+    return mixed
+
+
+class _Mixing:
+    """A call of a module whose samples interact (weakly referenced while its graph lives)."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+@torch.compiler.disable  # Python bookkeeping: compiled models call it between their graphs
 def _call(ref, method, *args):
     capture = ref()
     return None if capture is None else getattr(capture, method)(*args)

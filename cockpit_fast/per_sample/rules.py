@@ -37,13 +37,12 @@ def register_rule(*module_types):
 
 
 def rule_for(module):
-    """The rule of ``module``'s type (the nearest registered base class), or None."""
+    """The rule of ``module``'s type (the nearest registered base class whose ``forward`` it
+    keeps: a subclass computing something else, a masked Linear say, has none), or None."""
     for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if name in _RULES_BY_NAME:
-            return _RULES_BY_NAME[name]
+        rule = _RULES.get(cls) or _RULES_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
     return None
 
 
