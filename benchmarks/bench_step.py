@@ -26,6 +26,7 @@ from cockpit_fast import quantities as fast_quantities  # noqa: E402
 from cockpit_fast.cockpit import Cockpit as FastCockpit  # noqa: E402
 from cockpit_fast.utils import configuration as fast_configuration  # noqa: E402
 from cockpit_fast.utils import schedules as fast_schedules  # noqa: E402
+from cockpit_fast.utils import training  # noqa: E402
 from any_models import hf_gpt2, token_losses  # noqa: E402
 
 # Cheapest first; HessMaxEV is left out (power iteration dominates and is the same in both).
@@ -93,25 +94,12 @@ def training_step(model, params, cockpit, batch):
 
     def step(i):
         inputs, labels = batch(i)
-        opt.zero_grad()
-        outputs = model(inputs)
         if labels is None:  # language modelling: the sequences are their own labels
-            losses = token_losses(outputs, inputs)
-            loss = losses.mean()
+            training.training_step(model, opt, (inputs, inputs), token_losses, cockpit=cockpit, step=i)
         else:
-            loss = loss_fn(outputs, labels)
-        if cockpit is None:
-            loss.backward()
-        else:
-            info = {
-                "batch_size": len(inputs),
-                "individual_losses": losses if labels is None else individual_loss_fn(outputs, labels),
-                "loss": loss,
-                "optimizer": opt,
-            }
-            with cockpit(i, info=info):
-                loss.backward(create_graph=cockpit.create_graph(i))
-        opt.step()
+            training.training_step(
+                model, opt, (inputs, labels), individual_loss_fn, loss_fn=loss_fn, cockpit=cockpit, step=i
+            )
 
     return step
 

@@ -20,6 +20,7 @@ import torch
 
 from cockpit_fast import BACKPACK_ON_CPU
 from cockpit_fast._optional import MissingDependency, require
+from cockpit_fast.utils.training import training_step
 
 LEARNING_RATE = 0.3  # plain SGD, the optimizer all of Cockpit's quantities support
 VALIDATION_FRACTION = 0.2
@@ -231,20 +232,16 @@ class TrackedTraining:
         """One tracked step; returns its seconds, the mini-batch loss and the outputs."""
         synchronize(device)
         start = time.perf_counter()
-        self.optimizer.zero_grad()
-        outputs = self.model(inputs)
-        loss = self.loss_fn(outputs, targets)
-        info = {
-            "batch_size": len(targets),
-            "individual_losses": self.individual_loss_fn(outputs, targets),
-            "loss": loss,
-            "optimizer": self.optimizer,
-        }
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's backward-hook notices, once per step
-            with self.cockpit(step, info=info):
-                loss.backward(create_graph=self.cockpit.create_graph(step))
-        self.optimizer.step()
+        outputs, loss, _ = training_step(
+            self.model,
+            self.optimizer,
+            (inputs, targets),
+            self.individual_loss_fn,
+            loss_fn=self.loss_fn,
+            cockpit=self.cockpit,
+            step=step,
+            quiet=True,  # torch's backward-hook notices, once per step
+        )
         synchronize(device)
         return time.perf_counter() - start, loss, outputs
 

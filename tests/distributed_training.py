@@ -18,6 +18,7 @@ from backpack import extend
 from cockpit_fast import quantities as q
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.utils import schedules
+from cockpit_fast.utils.training import training_step
 from test_cockpit_core import build_model
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank left waiting fails instead of hanging
@@ -108,25 +109,25 @@ def train(config, rank=0, rank_sizes=None, out=None):
         per_sample_route=config.get("route", "auto"),
         log_all_ranks=config.get("log_all_ranks", False),
     )
+
+    def all_reduce_gradients():  # the global batch's mean gradient, each rank weighted by N_r / N
+        for p in params:
+            p.grad = p.grad.detach() * (local_n / global_n)
+            dist.all_reduce(p.grad)
+
+    sync = all_reduce_gradients if distributed and config.get("sync") == "manual" else None
+
     data = torch.Generator().manual_seed(1)
     for step in range(config["steps"]):
         if config.get("fail_on_rank") == rank and step == 1:
             raise RuntimeError(f"rank {rank} fails on purpose")
         inputs = torch.randn(global_n, *input_shape, generator=data)[start : start + local_n]
         labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + local_n]
-        opt.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {"batch_size": local_n, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss}
-        info["optimizer"] = opt
         tracked = step + (config.get("step_offset_on_rank1", 0) if rank == 1 else 0)
-        with cockpit(tracked, info=info):
-            loss.backward(create_graph=cockpit.create_graph(tracked))
-        if distributed and config.get("sync") == "manual":
-            for p in params:
-                p.grad = p.grad.detach() * (local_n / global_n)
-                dist.all_reduce(p.grad)
-        opt.step()
+        batch = inputs, labels
+        training_step(
+            model, opt, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=cockpit, step=tracked, after_backward=sync
+        )
     written = []
     if out is not None:
         logpath = str(Path(out) / "log")

@@ -8,7 +8,6 @@ log, a dashboard-sized PNG and TensorBoard events. ``plot`` redraws a log writte
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 from cockpit_fast import cli
 from cockpit_fast.demo import build_model
+from cockpit_fast.utils.training import training_step
 
 pytest.importorskip("backpack")
 
@@ -195,22 +195,11 @@ def write_cockpit_log(logpath):
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = cockpit.Cockpit(model.parameters(), quantities=configuration("full"))
-    inputs, labels = torch.randn(16, 10), torch.randint(0, 3, (16,))
+    batch = torch.randn(16, 10), torch.randint(0, 3, (16,))
     for step in range(4):
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {
-            "batch_size": 16,
-            "individual_losses": individual_loss_fn(outputs, labels),
-            "loss": loss,
-            "optimizer": optimizer,
-        }
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with tracker(step, info=info):
-                loss.backward(create_graph=tracker.create_graph(step))
-        optimizer.step()
+        training_step(
+            model, optimizer, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=tracker, step=step, quiet=True
+        )
     tracker.write(str(logpath))
 
 

@@ -10,6 +10,7 @@ from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.quantities.alpha import _alpha
 from cockpit_fast.utils import schedules as fast_schedules
+from cockpit_fast.utils.training import training_step
 from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side, train
 
 
@@ -64,15 +65,11 @@ def _alpha_with_unfittable_losses(cockpit_cls, q, s):
     model, loss_fn = extend(torch.nn.Linear(5, 3)), extend(torch.nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cp = cockpit_cls(model.parameters(), quantities=[q.Alpha(s.linear(1))])
+    unfittable = lambda outputs, labels: torch.tensor([1e200, -1e200, 1e200, -1e200], dtype=torch.float64)  # noqa: E731
     data = torch.Generator().manual_seed(1)
     for step in range(3):
-        x, y = torch.randn(4, 5, generator=data), torch.randint(0, 3, (4,), generator=data)
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        losses = torch.tensor([1e200, -1e200, 1e200, -1e200], dtype=torch.float64)
-        with cp(step, info={"loss": loss, "batch_size": 4, "individual_losses": losses, "optimizer": opt}):
-            loss.backward()
-        opt.step()
+        batch = torch.randn(4, 5, generator=data), torch.randint(0, 3, (4,), generator=data)
+        training_step(model, opt, batch, unfittable, loss_fn=loss_fn, cockpit=cp, step=step)
     return dict(cp.get_output())
 
 

@@ -17,6 +17,7 @@ from backpack.extensions import BatchGrad
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.utils import schedules as fast_schedules
+from cockpit_fast.utils.training import training_step
 
 cockpit = pytest.importorskip("cockpit")
 ref_schedules = pytest.importorskip("cockpit.utils.schedules")
@@ -72,20 +73,10 @@ def train(cockpit_cls, make_quantities, model_name, steps=3, optimizer="sgd", se
     for step in range(steps):
         inputs = torch.randn(BATCH_SIZE, *input_shape, generator=data)
         labels = torch.randint(0, 4, (BATCH_SIZE,), generator=data)
-        opt.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {
-            "batch_size": BATCH_SIZE,
-            "individual_losses": individual_loss_fn(outputs, labels),
-            "loss": loss,
-            "optimizer": opt,
-        }
-        for name in drop_info:
-            info.pop(name)
-        with cp(step, info=info):
-            loss.backward(create_graph=cp.create_graph(step))
-        opt.step()
+        batch = inputs, labels
+        training_step(
+            model, opt, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=cp, step=step, drop_info=drop_info
+        )
     return cp.get_output(), cp
 
 
@@ -313,14 +304,8 @@ def test_tracking_part_of_a_model_leaves_no_buffers_on_the_rest():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cp = FastCockpit(model[0].parameters(), quantities=configuration("full"))
     for step in range(2):
-        x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-        opt.zero_grad()
-        outputs = model(x)
-        loss = loss_fn(outputs, y)
-        info = {"loss": loss, "batch_size": 4, "optimizer": opt, "individual_losses": individual(outputs, y)}
-        with cp(step, info=info):
-            loss.backward(create_graph=cp.create_graph(step))
-        opt.step()
+        batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
+        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp, step=step)
     assert leftover_buffers(model) == []
 
 

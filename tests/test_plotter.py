@@ -16,6 +16,7 @@ import torch
 
 from cockpit_fast.instruments import TrackingLog
 from cockpit_fast.plotter import CockpitPlotter
+from cockpit_fast.utils.training import training_step
 
 cockpit = pytest.importorskip("cockpit")
 backpack = pytest.importorskip("backpack")
@@ -48,22 +49,11 @@ def train_under_cockpit(steps=STEPS):
         quantities.append(secondary(track_schedule=every_step))
     tracker = cockpit.Cockpit(model.parameters(), quantities=quantities)
 
-    inputs, labels = torch.randn(BATCH_SIZE, 10), torch.randint(0, 3, (BATCH_SIZE,))
+    batch = torch.randn(BATCH_SIZE, 10), torch.randint(0, 3, (BATCH_SIZE,))
     for step in range(steps):
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {
-            "batch_size": BATCH_SIZE,
-            "individual_losses": individual_loss_fn(outputs, labels),
-            "loss": loss,
-            "optimizer": optimizer,
-        }
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # backward-hook and create_graph notices from torch
-            with tracker(step, info=info):
-                loss.backward(create_graph=tracker.create_graph(step))
-        optimizer.step()
+        _, loss, _ = training_step(
+            model, optimizer, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=tracker, step=step, quiet=True
+        )
         if step % ACCURACY_EVERY == 0:
             tracker.log(
                 step, 0, loss.item(), loss.item(), None, 0.3 + 0.05 * step, 0.25 + 0.04 * step, None, 0.1
@@ -310,18 +300,11 @@ def fast_run(tmp_path_factory):
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = Cockpit(model.parameters(), quantities=configuration("full"))
-    inputs, labels = torch.randn(BATCH_SIZE, 10), torch.randint(0, 3, (BATCH_SIZE,))
+    batch = torch.randn(BATCH_SIZE, 10), torch.randint(0, 3, (BATCH_SIZE,))
     for step in range(4):
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {"batch_size": BATCH_SIZE, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss}
-        info["optimizer"] = optimizer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with tracker(step, info=info):
-                loss.backward(create_graph=tracker.create_graph(step))
-        optimizer.step()
+        training_step(
+            model, optimizer, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=tracker, step=step, quiet=True
+        )
     tracker.log(3, 0, 1.5, 1.6, None, 0.5, 0.4, None, 0.1)
     logpath = str(tmp_path_factory.mktemp("fast") / "run")
     tracker.write(logpath)
