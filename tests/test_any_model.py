@@ -361,6 +361,7 @@ def _norm_test_against_oracle(model, x, y, losses_of, steps=1, before_step=None)
         g = flat(_oracle(model, params, losses_of, x, y, {}))
         mean = g.mean(0)
         expected.append(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5)
+        model.zero_grad()
         _step(model, params, losses_of, x, y, cockpit, step, None)
     output = cockpit.get_output()
     return [output[s]["NormTest"] for s in range(steps)], expected

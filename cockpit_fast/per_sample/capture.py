@@ -43,7 +43,7 @@ class Call:
         self.module, self.params, self.direct = module, params, direct
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
-        self.kwargs = {k: detach(v) for k, v in kwargs.items()}
+        self.kwargs = {k: detach(v) for k, v in (kwargs or {}).items()}
         self.output_shapes = [torch.empty(o.shape, device="meta") for o in outputs]
         # Modules given sequences time-first (batch_first=False), and the modules they call,
         # keep their samples along dimension 1.
@@ -116,12 +116,13 @@ class Capture:
         self.recent = weakref.WeakSet()  # calls whose graph is alive, for planning a step
         self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
         me = weakref.ref(self)
+        # Python bookkeeping, hidden from torch.compile: compiled models call it between graphs.
+        enter = torch.compiler.disable(lambda m, a: _call(me, "_enter", m))
+        leave = torch.compiler.disable(lambda m, a, *rest: _call(me, "_exit", m, a, *rest))
         handles = [
-            register_module_forward_pre_hook(lambda m, a: _call(me, "_enter", m)),
+            register_module_forward_pre_hook(enter),
             # always_call: a forward that raises must not leave its frame behind.
-            register_module_forward_hook(
-                lambda m, a, k, o: _call(me, "_exit", m, a, k, o), with_kwargs=True, always_call=True
-            ),
+            register_module_forward_hook(leave, with_kwargs=True, always_call=True),
         ]
         weakref.finalize(self, lambda: [h.remove() for h in handles])
 
@@ -132,7 +133,7 @@ class Capture:
         time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
         self._frames.append((module, set(), time_first))
 
-    def _exit(self, module, args, kwargs, output):
+    def _exit(self, module, args, kwargs=None, output=None):  # no output: the forward raised
         while self._frames and self._frames[-1][0] is not module:  # a call that raised
             self._frames.pop()
         if not self._frames:
@@ -277,7 +278,6 @@ class _Mixing:
         self.module = module
 
 
-@torch.compiler.disable  # Python bookkeeping: compiled models call it between their graphs
 def _call(ref, method, *args):
     capture = ref()
     return None if capture is None else getattr(capture, method)(*args)
