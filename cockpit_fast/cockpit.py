@@ -373,10 +373,7 @@ def _modules_mixing_samples(capture, ctx):
     params = [p for p in ctx.params if p.requires_grad]
     if losses is None or losses.grad_fn is None or capture.mixing:
         return []
-    capture.arm()
-    torch.autograd.grad(losses, params, torch.ones_like(losses), retain_graph=True, allow_unused=True)
-    _, fired = capture.disarm()
-    return [call.module for call in mixed_calls(capture, losses, params, fired, torch.ones_like(losses))]
+    return [call.module for call in mixed_calls(capture, losses, params, torch.ones_like(losses))]
 
 
 def _whole_graph_forms(capture, ctx, mixed_modules):

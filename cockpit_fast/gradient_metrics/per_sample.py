@@ -62,7 +62,7 @@ def _from_calls(capture, loss, targets):
     forms, fired = capture.disarm()
     if not forms:
         return {}
-    if mixed_calls(capture, loss, targets, fired, torch.ones_like(loss)):
+    if mixed_calls(capture, loss, targets, torch.ones_like(loss), reference=fired):
         return {}
     inexact = set()
     for call, _ in fired:
