@@ -312,13 +312,17 @@ class _TrackedBackward:
         # statistics: a sync on a GPU, two more backward passes, and for the sums one more
         # weight-gradient product per layer.
         self._check_sums = bool(ctx.requests) and not cockpit._checked
-        if self._check_sums:
-            _check_mean_loss(ctx)
-            cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
-            cockpit._checked = True
         _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
+        # The engine's own backward passes before the user's keep what BackPACK stored in the
+        # forward pass (each backward pass frees it unless told to retain it).
+        with backpack(retain_graph=True):
+            if self._check_sums:
+                _check_mean_loss(ctx)
+                cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
+                cockpit._checked = True
+            if ctx.requests:
+                self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
         if ctx.requests:
-            self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
             cockpit._capture.arm()
         if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
             keep_graph = cockpit.create_graph(ctx.global_step)

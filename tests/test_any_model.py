@@ -431,3 +431,24 @@ def test_a_batch_norm_elsewhere_and_a_failed_forward_leave_other_models_alone():
     with cockpit(0, info={"batch_size": N, "loss": losses.mean()}):  # no individual losses needed
         losses.mean().backward()
     assert cockpit.get_output()[0]["NormTest"] > 0
+
+
+def test_the_engines_own_backward_passes_keep_what_backpack_stored():
+    # The first step's proof runs backward passes before the user's: BackPACK's stored inputs
+    # and outputs must survive them for its curvature extensions.
+    from backpack import extend
+
+    _, batch, _ = build("twice_applied", torch.float64)
+    torch.manual_seed(0)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)).double())
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.HessTrace(EVERY), quantities.NormTest(EVERY)])
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    outputs = model(x)
+    losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+    loss = loss_fn(outputs, y)
+    with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": loss}):
+        loss.backward()
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] > 0 and all(v > 0 for v in output["HessTrace"])
