@@ -50,8 +50,9 @@ install_missing() {
 }
 
 echo "== dependencies in $VENV"
-# Cockpit imports pkg_resources, which setuptools 81 removed.
-install_missing pip wheel "setuptools<81"
+# Cockpit imports pkg_resources, which setuptools 81 removed; torch 2.13 needs 77.0.3 or newer (a
+# venv's bundled setuptools is older: left there, torch's install would take the newest).
+install_missing pip wheel "setuptools>=77.0.3,<81"
 install_missing "$TORCH_SPEC" numpy ninja
 # BackPACK requires torchvision, whose PyPI wheel would drag in a multi-GB CUDA torch; BackPACK's
 # core never imports it, so the originals go in without their declared dependencies.
