@@ -7,7 +7,7 @@ from torch import nn
 
 from cockpit_fast import per_sample
 from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
-from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
+from cockpit_fast.per_sample import Capture, ConvGrads, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
 from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads
 from conftest import values_near_edges
 
@@ -27,9 +27,15 @@ def _forms(dtype):
         "long": FactoredGrads(randn(n, 9, 3), randn(n, 9, 4), (3, 4)),  # 9 * 7 > 12: forms
         "rows": RowGrads.from_lookups(ids, randn(n, 4, 3), 7, skip=0),
         "summed": combine([FactoredGrads(randn(n, 2, 5), randn(n, 2, 7), (5, 7)), DenseGrads(randn(n, 5, 7))]),
+        # Tied input and output embeddings: rows added into the head's factors.
+        "tied": combine([RowGrads.from_lookups(ids, randn(n, 4, 3), 7), FactoredGrads(randn(n, 2, 7), randn(n, 2, 3), (7, 3))]),
+        # Rows added into a dense part, which must stay as it was.
+        "dense_rows": combine([RowGrads.from_lookups(ids, randn(n, 4, 3), 7), DenseGrads(randn(n, 7, 3))]),
         "joined": combine([FactoredGrads(randn(n, 1, 5), randn(n, 1, 7), (5, 7)), FactoredGrads(randn(n, 2, 5), randn(n, 2, 7), (5, 7))]),
         "hooked": HookedGrads(FactoredGrads(randn(n, 1, 5), randn(n, 1, 7), (5, 7)), [lambda g: g.clamp(-0.3, 0.3)]),
         "dense": DenseGrads(randn(n, 5, 7)),
+        "conv": ConvGrads(randn(n, 2, 7, 6), randn(n, 4, 3, 4), (4, 2, 3, 3), (2, 1), (1, 1), 1),
+        "conv_groups": ConvGrads(randn(n, 4, 6, 6), randn(n, 6, 4, 2), (6, 2, 3, 2), (1, 2), (1, 2), 2),
     }
 
 
@@ -44,6 +50,13 @@ def _explicit(name, form):
         return out
     if isinstance(form, SummedGrads):
         return sum(_explicit(name, part) for part in form.parts)
+    if isinstance(form, ConvGrads):  # each sample's weight gradient by autograd
+        weight = torch.zeros(form.shape, dtype=form.input.dtype, requires_grad=True)
+        grads = []
+        for x, g in zip(form.input, form.output_grad):
+            out = torch.nn.functional.conv2d(x[None], weight, None, form.stride, 0, form.dilation, form.groups)
+            grads.append(torch.autograd.grad(out, weight, g[None])[0])
+        return torch.stack(grads)
     if isinstance(form, HookedGrads):
         return _explicit(name, form.form).clamp(-0.3, 0.3)
     return form.values
@@ -79,6 +92,15 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
             torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=repr(statistic))
     rows = stats_rows(form, [1.0, 3.0])
     torch.testing.assert_close(rows, stats_rows(DenseGrads(dense), [1.0, 3.0]), rtol=rtol, atol=1e-12)
+
+
+def test_summed_forms_leave_their_parts_unchanged():
+    form = _forms(torch.float64)["dense_rows"]
+    dense_part = next(part for part in form.parts if isinstance(part, DenseGrads))
+    before = dense_part.values.clone()
+    first = form.dense()
+    torch.testing.assert_close(form.dense(), first, rtol=0, atol=0)
+    torch.testing.assert_close(dense_part.values, before, rtol=0, atol=0)
 
 
 def test_outer_products_form_no_per_sample_gradient(monkeypatch):
@@ -126,8 +148,11 @@ LAYERS = {
     "conv2d_valid": (lambda: nn.Conv2d(3, 4, 3, padding="valid"), (3, 5, 6), True),
     "conv2d_reflect": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 5, 6), True),
     "conv2d_replicate": (lambda: nn.Conv2d(3, 4, 2, padding=1, padding_mode="replicate", bias=False), (3, 5, 5), True),
-    "conv2d_groups": (lambda: nn.Conv2d(4, 6, 3, groups=2), (4, 6, 6), False),
-    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (2, 3, 4, 3), False),
+    "conv2d_groups": (lambda: nn.Conv2d(4, 6, 3, groups=2, stride=(2, 1), padding=1), (4, 6, 6), True),
+    "conv2d_depthwise": (lambda: nn.Conv2d(3, 6, 3, groups=3, padding=1, padding_mode="reflect"), (3, 5, 5), True),
+    "conv2d_wide": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 12, 12), True),  # factors do not pay
+    "conv1d_wide": (lambda: nn.Conv1d(2, 3, 3, stride=2, dilation=2), (2, 40), True),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), dilation=(2, 1, 1), padding=(1, 0, 1)), (2, 5, 4, 3), True),
     "layer_norm": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4), True),
     "rms_norm": (lambda: nn.RMSNorm(4), (3, 4), True),
     "group_norm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3), True),
@@ -171,6 +196,22 @@ def test_rules_give_torch_func_per_sample_gradients(name):
         assert isinstance(form, per_sample.generic.ModuleVjpGrads) != by_rule, key
         torch.testing.assert_close(form.dense(), expected[key], rtol=1e-10, atol=1e-12, msg=key)
         torch.testing.assert_close(form.grad, p.grad, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_convolutions_take_the_cheaper_form(monkeypatch):
+    def form_of(layer, x):
+        capture = Capture(list(layer.parameters()))
+        loss = layer(x).pow(2).sum()
+        capture.arm()
+        loss.backward()
+        return capture.disarm()[0][id(layer.weight)]
+
+    # Many positions: formed as a grouped convolution's weight gradient, no unfolded input.
+    monkeypatch.setattr(torch.nn.functional, "unfold", None)
+    assert isinstance(form_of(nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 16, 16)), ConvGrads)
+    monkeypatch.undo()
+    # Few positions: factors smaller than the gradients.
+    assert isinstance(form_of(nn.Conv2d(64, 8, 3), torch.randn(2, 64, 3, 3)), FactoredGrads)
 
 
 def test_embedding_rows_never_form_the_table():

@@ -9,6 +9,7 @@ from cockpit_fast.per_sample.capture import Call, Capture
 from cockpit_fast.per_sample.generic import whole_graph_grads
 from cockpit_fast.per_sample.grads import (
     CHUNK_VALUES,
+    ConvGrads,
     DenseGrads,
     FactoredGrads,
     PerSampleGrads,
@@ -22,6 +23,7 @@ __all__ = [
     "CHUNK_VALUES",
     "Call",
     "Capture",
+    "ConvGrads",
     "DenseGrads",
     "FactoredGrads",
     "PerSampleGrads",

@@ -12,7 +12,8 @@ units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss,
 
 :class:`DenseGrads` holds the tensor (N, *shape) itself. :class:`FactoredGrads` holds two factors,
 ``G_n = sum_t left[n, t] right[n, t]^T`` (Linear and convolution weights), and
-:class:`RowGrads` the few rows of an embedding table each sample touches.
+:class:`ConvGrads` forms a convolution's a chunk of samples at a time, and
+:class:`RowGrads` holds the few rows of an embedding table each sample touches.
 :class:`SummedGrads` adds the forms of a parameter used several times (a module called twice,
 weights tied across modules).
 """
@@ -51,6 +52,9 @@ class PerSampleGrads:
     batch_size: int
     shape: torch.Size
 
+    FRESH_RANGES = False
+    """Whether :meth:`dense_range` returns a new tensor that the caller may change in place."""
+
     @cached_property
     def grad(self):
         """The mini-batch gradient ``sum_n G_n``."""
@@ -70,6 +74,10 @@ class PerSampleGrads:
     def dense(self):
         """All N gradients as one ``(N, *shape)`` tensor."""
         return self.dense_range(0, self.batch_size)
+
+    def add_range_to(self, out, start, stop):
+        """Adds the gradients of samples ``start`` to ``stop`` to ``out``, ``(stop - start, *shape)``."""
+        out += self.dense_range(start, stop)
 
     def batch_l2(self, force=False):
         """(N,) squared norms; ``force``: the closed form even where forming is cheaper."""
@@ -135,6 +143,8 @@ class FactoredGrads(PerSampleGrads):
     per-sample gradient is formed. Otherwise norms take the Gram form over positions where
     :func:`factors_pay`, dot products matrix products, and the rest the chunks.
     """
+
+    FRESH_RANGES = True
 
     def __init__(self, left, right, shape):
         self.left, self.right = left.detach(), right.detach()
@@ -217,6 +227,42 @@ class FactoredGrads(PerSampleGrads):
         return FactoredGrads(torch.cat([self.left, other.left], 1), torch.cat([self.right, other.right], 1), self.shape)
 
 
+class ConvGrads(PerSampleGrads):
+    """Per-sample gradients of a convolution's weight (1, 2 or 3 spatial dimensions, any groups).
+
+    Args:
+        padded_input (torch.Tensor): ``(N, in, *spatial)``, padded as the layer pads it.
+        output_grad (torch.Tensor): ``(N, out, *spatial')``.
+        shape (torch.Size): The weight's shape ``(out, in / groups, *kernel)``.
+        stride, dilation (tuple), groups (int): The layer's.
+
+    A chunk of samples is formed as the weight gradient of one convolution with a group per
+    sample (and per group of the layer), each mapping its sample's input channels to its
+    output channels: one weight-gradient product, where the factors of the unfolded input
+    would copy the input once per kernel position.
+    """
+
+    FRESH_RANGES = True
+
+    def __init__(self, padded_input, output_grad, shape, stride, dilation, groups):
+        self.input, self.output_grad = padded_input.detach(), output_grad.detach()
+        self.batch_size, self.shape = padded_input.shape[0], torch.Size(shape)
+        self.stride, self.dilation, self.groups = list(stride), list(dilation), groups
+
+    def dense_range(self, start, stop):
+        c = stop - start
+        if c == 0:
+            return self.input.new_zeros(0, *self.shape)
+        x = self.input[start:stop].flatten(0, 1).unsqueeze(0)  # (1, c * in, *spatial)
+        g = self.output_grad[start:stop].flatten(0, 1).unsqueeze(0)  # (1, c * out, *spatial')
+        weight = x.new_empty(c * self.shape[0], *self.shape[1:])  # read for its shape only
+        zeros = [0] * len(self.stride)
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            g, x, weight, None, self.stride, zeros, self.dilation, False, zeros, c * self.groups, [False, True, False]
+        )
+        return grad.reshape(c, *self.shape)
+
+
 class RowGrads(PerSampleGrads):
     """Gradients of an embedding table (V, D): each sample touches a few rows.
 
@@ -254,11 +300,16 @@ class RowGrads(PerSampleGrads):
     def grad(self):
         return self.rows.new_zeros(self.shape).index_add_(0, self.indices, self.rows)
 
+    FRESH_RANGES = True
+
     def dense_range(self, start, stop):
-        chosen = (self.samples >= start) & (self.samples < stop)
         out = self.rows.new_zeros(stop - start, *self.shape)
-        out[self.samples[chosen] - start, self.indices[chosen]] = self.rows[chosen]
+        self.add_range_to(out, start, stop)
         return out
+
+    def add_range_to(self, out, start, stop):
+        chosen = (self.samples >= start) & (self.samples < stop)
+        out.index_put_((self.samples[chosen] - start, self.indices[chosen]), self.rows[chosen], accumulate=True)
 
     def batch_l2(self, force=False):
         squares = (_acc(self.rows) ** 2).sum(1)
@@ -308,8 +359,18 @@ class SummedGrads(PerSampleGrads):
     def grad(self):
         return sum(part.grad for part in self.parts)
 
+    FRESH_RANGES = True
+
     def dense_range(self, start, stop):
-        return sum(part.dense_range(start, stop) for part in self.parts)
+        # One part's gradients are formed and the others added into them: embedding rows by
+        # index, without a zero tensor of their own.
+        first, *rest = sorted(self.parts, key=lambda part: isinstance(part, RowGrads))
+        out = first.dense_range(start, stop)
+        if not first.FRESH_RANGES:
+            out = out.clone()
+        for part in rest:
+            part.add_range_to(out, start, stop)
+        return out
 
     def dot(self, direction):  # linear in G_n: the sum of the parts'
         values = [part.dot(direction) for part in self.parts]
@@ -324,6 +385,8 @@ class HookedGrads(PerSampleGrads):
     def __init__(self, form, hooks):
         self.form, self.hooks = form, hooks
         self.batch_size, self.shape = form.batch_size, form.shape
+
+    FRESH_RANGES = True
 
     def dense_range(self, start, stop):
         g = self.form.dense_range(start, stop)

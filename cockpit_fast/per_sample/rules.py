@@ -4,8 +4,8 @@ A rule is one small function ``rule(module, inputs, output_grad) -> {name: form}
 the module type with :func:`register_rule` (Opacus's ``register_grad_sampler`` is the model).
 ``inputs`` are the call's positional arguments, ``output_grad`` the gradient of its output,
 both with the samples along dimension 0; the forms are those of
-:mod:`cockpit_fast.per_sample.grads`. A rule may return None for a call it does not cover (a
-grouped convolution, say); that call then takes the exact generic route
+:mod:`cockpit_fast.per_sample.grads`. A rule may return None for a call it does not cover (an
+embedding that renormalises its rows, say); that call then takes the exact generic route
 (:mod:`cockpit_fast.per_sample.generic`), as does every module without a rule.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, RowGrads
+from cockpit_fast.per_sample.grads import ConvGrads, DenseGrads, FactoredGrads, RowGrads, factors_pay
 
 _RULES = {}
 _RULES_BY_NAME = {}  # "module.QualName" -> rule, for classes of packages we do not import
@@ -80,21 +80,31 @@ def _padded_input(module, x):
     return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
 
 
-@register_rule(nn.Conv1d, nn.Conv2d)
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def convolution(module, inputs, output_grad):
-    if module.groups != 1:
-        return None
     x = _padded_input(module, inputs[0])
-    as_2d = isinstance(module, nn.Conv1d)
+    kernel_size = math.prod(module.kernel_size) * module.in_channels // module.groups
+    positions = math.prod(output_grad.shape[2:])
+    if module.groups == 1 and x.dim() <= 4 and factors_pay(positions, module.out_channels, kernel_size):
+        grad = _unfolded_factors(module, x, output_grad)
+    else:
+        grad = ConvGrads(x, output_grad, module.weight.shape, module.stride, module.dilation, module.groups)
+    grads = {"weight": grad}
+    if module.bias is not None:
+        grads["bias"] = _bias(output_grad, channel_dim=1)
+    return grads
+
+
+def _unfolded_factors(module, x, output_grad):
+    """Factors of a 1-d or 2-d convolution's weight: output gradient and unfolded input, for
+    few positions (a late layer over a small image), where they are smaller than the gradients."""
+    as_2d = x.dim() == 3
     if as_2d:  # a 1-d convolution is a 2-d one over a height of 1
         x = x.unsqueeze(2)
     kernel, dilation, stride = ((1, *v) if as_2d else v for v in (module.kernel_size, module.dilation, module.stride))
     columns = F.unfold(x, kernel, dilation, 0, stride)  # (N, in * prod(kernel), positions)
     delta = output_grad.flatten(2)  # (N, out, positions)
-    grads = {"weight": FactoredGrads(delta.transpose(1, 2), columns.transpose(1, 2), module.weight.shape)}
-    if module.bias is not None:
-        grads["bias"] = _bias(output_grad, channel_dim=1)
-    return grads
+    return FactoredGrads(delta.transpose(1, 2), columns.transpose(1, 2), module.weight.shape)
 
 
 @register_rule(nn.Embedding)
