@@ -16,6 +16,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast._step import ROUTES, StepContext, collect_statistics
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.per_sample import Capture, whole_graph_grads
+from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints
 from cockpit_fast.per_sample.capture import mixed_calls
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import Quantity, merged_hooks
@@ -318,6 +319,8 @@ class _TrackedBackward:
         with backpack(retain_graph=True):
             if self._check_sums:
                 _check_mean_loss(ctx)
+                if ctx.has_info("loss"):
+                    refuse_reentrant_checkpoints(ctx.info("loss", None))
                 cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
                 cockpit._checked = True
             if ctx.requests:

@@ -125,6 +125,28 @@ class TwiceApplied(nn.Module):
         return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
 
 
+class Checkpointed(nn.Module):
+    """Residual blocks under activation checkpointing (``use_reentrant``: the older kind, whose
+    backward pass runs a backward pass of its own)."""
+
+    def __init__(self, use_reentrant=False):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.checkpointing = True  # off for the oracle: torch.func cannot differentiate through it
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(2)
+        )
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointing:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+            else:
+                x = x + block(x)
+        return self.head(x)
+
+
 class TiedEmbeddings(nn.Module):
     def __init__(self):
         super().__init__()
@@ -219,6 +241,11 @@ MODELS = {
         lambda n, g, d: (torch.randn(n, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
         lambda out, x, y: class_losses(out, y),
     ),
+    "checkpointed": (
+        Checkpointed,
+        lambda n, g, d: (torch.randn(n, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
     "tied_embeddings": (
         TiedEmbeddings,
         lambda n, g, d: (torch.randint(0, VOCAB, (n, TOKENS), generator=g), None),
@@ -251,7 +278,14 @@ def oracle_grads(model, params, losses_of, x, y):
     def losses(chosen):
         return losses_of(lambda inputs: torch.func.functional_call(model, {**values, **chosen}, (inputs,), tie_weights=True), x, y)
 
-    jacobian = torch.func.jacrev(losses)({name: values[name] for name in wanted})
+    checkpointed = [m for m in model.modules() if getattr(m, "checkpointing", False)]
+    for m in checkpointed:
+        m.checkpointing = False
+    try:
+        jacobian = torch.func.jacrev(losses)({name: values[name] for name in wanted})
+    finally:
+        for m in checkpointed:
+            m.checkpointing = True
     return [jacobian[name] for name in wanted]
 
 

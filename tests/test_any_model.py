@@ -452,3 +452,49 @@ def test_the_engines_own_backward_passes_keep_what_backpack_stored():
         loss.backward()
     output = cockpit.get_output()[0]
     assert output["NormTest"] > 0 and all(v > 0 for v in output["HessTrace"])
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_reentrant_activation_checkpointing_is_a_clear_error(dropout):
+    # Its backward pass runs one of its own: a batched backward pass gets nothing for the
+    # parameters inside (once silently zero), and torch.func cannot replay it.
+    model, batch, losses_of = build("checkpointed", torch.float32)
+    model.use_reentrant = True
+    if dropout:
+        model.blocks[0].append(torch.nn.Dropout(0.2))
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    x.requires_grad_()  # or the blocks' parameters get no gradient at all
+    message = "activation checkpointing with use_reentrant=True cannot be computed"
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = losses_of(model, x, y)
+    with pytest.raises(ValueError, match=message):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    collector = GradientMetricCollector([gm.Max(model)])
+    with pytest.raises(ValueError, match=message):
+        collector(losses_of(model, x, y))
+
+
+def test_a_call_torch_func_cannot_replay_is_a_clear_error():
+    class Opaque(torch.autograd.Function):  # no setup_context: torch.func cannot transform it
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(Opaque.apply(x, self.scale))
+
+    with pytest.raises(RuntimeError, match="scale in Scaled come from replaying its call with torch.func, which fails"):
+        _tracked_step(Scaled(), torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)])

@@ -18,6 +18,7 @@ import torch
 
 from cockpit_fast.per_sample import DenseGrads
 from cockpit_fast.per_sample.capture import mixed_calls
+from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints
 
 _warned = set()
 
@@ -54,6 +55,7 @@ def per_sample_forms(capture, loss, targets, retain_graph):
 
 def _from_calls(capture, loss, targets):
     """Forms of the targets the captured module calls give exactly; {} where samples interact."""
+    refuse_reentrant_checkpoints(loss)
     if capture.mixing:
         return {}
     n = loss.shape[0]

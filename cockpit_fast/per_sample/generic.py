@@ -99,17 +99,45 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
                 ) from error
             # vmap has no batching rule for an op: the same, one sample at a time.
             rows = []
-            for k in range(n):
-                one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
-                cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
-                rows.append(one_sample(one, cot))
+            try:
+                for k in range(n):
+                    one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
+                    cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
+                    rows.append(one_sample(one, cot))
+            except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
+                raise RuntimeError(
+                    f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying "
+                    f"its call with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
+                    "the module (cockpit_fast.per_sample.register_rule) or track without these parameters"
+                ) from again
             return {name: torch.stack([row[name] for row in rows]) for name in params}
 
 
 def whole_graph_grads(losses, params, scale):
     """``{id(param): DenseGrads}``: ``scale`` times the gradient of every ``losses[n]`` through the
     whole graph, from one batched backward pass (the graph is kept for the caller's own)."""
+    refuse_reentrant_checkpoints(losses)
     n = losses.shape[0]
     rows = scale * torch.eye(n, dtype=losses.dtype, device=losses.device)
     grads = torch.autograd.grad(losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True)
     return {id(p): DenseGrads(g if g is not None else p.new_zeros(n, *p.shape)) for p, g in zip(params, grads)}
+
+
+def refuse_reentrant_checkpoints(losses):
+    """Raises a ValueError where the graph of ``losses`` holds activation checkpointing with
+    ``use_reentrant=True``: its backward pass runs a backward pass of its own, which a batched
+    backward pass cannot see into (its parameters would get no per-sample gradient)."""
+    checkpointed = torch.utils.checkpoint.CheckpointFunction._backward_cls
+    seen, stack = set(), [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if type(node) is checkpointed:
+            raise ValueError(
+                "per-sample gradients through activation checkpointing with use_reentrant=True cannot be computed: "
+                "its backward pass is a backward pass of its own. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
