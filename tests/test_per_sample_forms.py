@@ -214,6 +214,19 @@ def test_convolutions_take_the_cheaper_form(monkeypatch):
     assert isinstance(form_of(nn.Conv2d(64, 8, 3), torch.randn(2, 64, 3, 3)), FactoredGrads)
 
 
+def test_a_parameter_unfrozen_after_the_first_step_is_captured():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    capture = Capture(list(model.parameters()))
+    for step in range(2):
+        x = torch.randn(5, 3)
+        capture.arm()
+        model(x).pow(2).sum().backward()
+        forms, _ = capture.disarm()
+        assert (id(model[0].weight) in forms) == (step == 1)
+        model[0].weight.requires_grad_(True)  # unfrozen for the second step
+
+
 def test_embedding_rows_never_form_the_table():
     layer = nn.Embedding(1000, 4, padding_idx=0).double()
     ids = torch.randint(0, 1000, (6, 5))

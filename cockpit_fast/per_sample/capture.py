@@ -142,7 +142,8 @@ class Capture:
         _, claimed_inside, time_first = self._frames.pop()
         if _replaying[0] or not torch.is_grad_enabled():
             return None
-        owned = self._owned_by(module)
+        # Whether a parameter is trained may change between steps (gradual unfreezing).
+        owned = [entry for entry in self._owned_by(module) if entry[2].requires_grad]
         if not owned and not rules.mixes_samples(module):  # nothing to see: the common case
             if self._frames:
                 self._frames[-1][1].update(claimed_inside)
@@ -198,7 +199,7 @@ class Capture:
                 (name, owner, p)
                 for owner_name, owner in module.named_modules(remove_duplicate=False)
                 for short, p in owner.named_parameters(recurse=False)
-                if id(p) in self._tracked and p.requires_grad
+                if id(p) in self._tracked
                 for name in [f"{owner_name}.{short}" if owner_name else short]
             ]
         return self._owned[module]
