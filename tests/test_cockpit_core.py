@@ -266,10 +266,12 @@ def test_values_on_the_cpu_become_output_as_the_run_goes(monkeypatch):
     """Few values wait as tensors (memory), and converting them early changes nothing."""
     make = lambda: [fast_quantities.GradNorm(fast_schedules.linear(1)), fast_quantities.Alpha(fast_schedules.linear(1))]  # noqa: E731
     expected, _ = train(FastCockpit, make, "mlp", steps=9)
-    from cockpit_fast.quantities.quantity import Quantity
+    from cockpit_fast.quantities.quantity import FastQuantity
 
-    waiting, store = [], Quantity._store
-    monkeypatch.setattr(Quantity, "_store", lambda self, *args: (store(self, *args), waiting.append(len(self._pending))))
+    waiting, store = [], FastQuantity._store
+    monkeypatch.setattr(
+        FastQuantity, "_store", lambda self, *args: (store(self, *args), waiting.append(len(self._pending)))
+    )
     monkeypatch.setattr(FastCockpit, "CPU_OUTPUT_EVERY", 4)
     actual, _ = train(FastCockpit, make, "mlp", steps=9)
     assert max(waiting) == 4 and actual == expected
@@ -361,5 +363,5 @@ def test_a_parameter_without_gradient_is_a_clear_error(name):
 def test_all_lists_the_quantities_as_cockpit_does():
     assert fast_quantities.__all__ == cockpit.quantities.__all__
     for name in fast_quantities.__all__:
-        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.Quantity)
-    assert {"Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))
+        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.FastQuantity)
+    assert {"FastQuantity", "Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))
