@@ -207,12 +207,13 @@ def test_buffers_are_freed_and_user_extensions_kept():
         torch.manual_seed(0)
         model, shape = build_model("mlp")
         model = extend(model)
-        loss_fn = extend(torch.nn.CrossEntropyLoss())
+        loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
         make = lambda q, s: [q.GradHist1d(s.linear(1)), q.NormTest(s.linear(1)), q.HessTrace(s.linear(1))]  # noqa
         cp = FastCockpit(model.parameters(), quantities=make(fast_quantities, fast_schedules))
-        loss = loss_fn(model(torch.randn(4, *shape)), torch.randint(0, 4, (4,)))
-        with cp(0, *user_exts, info={"loss": loss, "batch_size": 4}):
-            loss.backward()
+        batch = torch.randn(4, *shape), torch.randint(0, 4, (4,))
+        training_step(
+            model, None, batch, individual, loss_fn=loss_fn, cockpit=cp, exts=user_exts, drop_info=("individual_losses",)
+        )
         return model, cp.get_output()
 
     model, output = run(())
@@ -287,13 +288,12 @@ def test_a_quantity_that_raises_leaves_no_buffers_behind():
 
     torch.manual_seed(0)
     model = extend(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)))
-    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cp = FastCockpit(model.parameters(), quantities=configuration("full"))
-    loss = loss_fn(model(torch.randn(4, 5)), torch.randint(0, 3, (4,)))
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
     with pytest.raises(KeyError, match="individual_losses"):  # Alpha needs them: no 'info' entry
-        with cp(0, info={"loss": loss, "batch_size": 4, "optimizer": opt}):
-            loss.backward(create_graph=cp.create_graph(0))
+        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp, drop_info=("individual_losses",))
     assert leftover_buffers(model) == []
 
 
@@ -337,11 +337,11 @@ def test_a_nan_loss_is_warned_about_on_every_tracked_step_as_in_cockpit():
 @pytest.mark.parametrize("name", ["NormTest", "InnerTest", "OrthoTest"])
 def test_a_variance_over_one_sample_is_a_clear_error(name):
     model = extend(torch.nn.Linear(5, 3))
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
     cp = FastCockpit(model.parameters(), quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
-    loss = extend(torch.nn.CrossEntropyLoss())(model(torch.randn(1, 5)), torch.tensor([0]))
+    batch = torch.randn(1, 5), torch.tensor([0])
     with pytest.raises(ValueError, match=f"{name} estimates a variance .* needs at least 2 of them, got 1"):
-        with cp(0, info={"loss": loss, "batch_size": 1}):
-            loss.backward()
+        training_step(model, None, batch, individual, loss_fn=loss_fn, cockpit=cp, drop_info=("individual_losses",))
 
 
 @pytest.mark.parametrize("name", ["GradNorm", "Alpha", "CABS"])
@@ -352,12 +352,9 @@ def test_a_parameter_without_gradient_is_a_clear_error(name):
     params = [*model.parameters(), *unused.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     cp = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
-    outputs, labels = model(torch.randn(4, 5)), torch.randint(0, 3, (4,))
-    loss = loss_fn(outputs, labels)
-    info = {"loss": loss, "batch_size": 4, "optimizer": opt, "individual_losses": individual(outputs, labels)}
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
     with pytest.raises(RuntimeError, match=r"gradient was not computed for parameters \[2, 3\]"):
-        with cp(0, info=info):
-            loss.backward()
+        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp)
 
 
 def test_all_lists_the_quantities_as_cockpit_does():
