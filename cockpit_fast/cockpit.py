@@ -19,7 +19,7 @@ from cockpit_fast.per_sample import Capture, whole_graph_grads
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints
 from cockpit_fast.per_sample.capture import mixed_calls
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
-from cockpit_fast.quantities.quantity import Quantity, merged_hooks
+from cockpit_fast.quantities.quantity import FastQuantity, merged_hooks
 
 _LOG_KEYS = (
     "epoch_count",
@@ -41,8 +41,9 @@ class Cockpit:
 
     Args:
         params (iterable): Parameters to track; each must require gradients.
-        quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.Quantity`
-            instances to track. Defaults to none.
+        quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.FastQuantity`
+            instances to track (the built-in quantities, and ones written for Cockpit on
+            :class:`~cockpit_fast.quantities.quantity.Quantity`). Defaults to none.
         per_sample_route (str, optional): How per-sample statistics are computed from the
             per-sample engine's forms (:mod:`cockpit_fast.per_sample`). ``"auto"`` (default):
             closed forms (factors of Linear and convolution weights, embedding rows) where
@@ -94,10 +95,12 @@ class Cockpit:
         """Track ``quantity`` too.
 
         Raises:
-            ValueError: If ``quantity`` is not a :class:`Quantity` instance.
+            ValueError: If ``quantity`` is not a :class:`FastQuantity` instance.
         """
-        if not isinstance(quantity, Quantity):
-            raise ValueError(f"Quantities must be instances of cockpit_fast Quantity, got {quantity!r}")
+        if not isinstance(quantity, FastQuantity):
+            raise ValueError(
+                f"Quantities must be instances of cockpit_fast's FastQuantity or Quantity, got {quantity!r}"
+            )
         self.quantities.append(quantity)
 
     def create_graph(self, global_step):
@@ -135,12 +138,12 @@ class Cockpit:
         try:
             for q in self.quantities:
                 if not q.RUNS_AFTER_CLEANUP:
-                    q.track(ctx)
+                    q._track_step(ctx)
         finally:  # a quantity that raises must not leave BackPACK's buffers behind
             self._free(buffers, ctx)
         with disable():
             for q in late:
-                q.track(ctx)
+                q._track_step(ctx)
         self._steps_since_output += 1
         if self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
             self.get_output()

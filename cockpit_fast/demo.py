@@ -110,9 +110,7 @@ def train_plain(model, data, device):
     for _, inputs, targets in data:
         synchronize(device)
         start = time.perf_counter()
-        optimizer.zero_grad()
-        loss_fn(model(inputs), targets).backward()
-        optimizer.step()
+        training_step(model, optimizer, (inputs, targets), None, loss_fn=loss_fn)  # plain: no individual losses
         synchronize(device)
         seconds.append(time.perf_counter() - start)
     return seconds

@@ -13,6 +13,7 @@ from cockpit_fast import Cockpit, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
 from cockpit_fast.quantities.alpha import _alpha
+from cockpit_fast.utils.training import training_step
 
 N = 5
 EVERY = staticmethod(lambda step: True)
@@ -47,11 +48,15 @@ def _hist1d_expected(values, lo, hi, bins):
     return torch.bincount(index, minlength=bins)
 
 
-def _step(model, params, losses_of, x, y, cockpit, step, opt):
-    losses = losses_of(model, x, y)
-    loss = losses.mean()
-    with cockpit(step, info={"batch_size": len(losses), "individual_losses": losses, "loss": loss, "optimizer": opt}):
-        loss.backward(create_graph=cockpit.create_graph(step))
+def _step(model, losses_of, x, y, cockpit, step=0, opt=None, **kwargs):
+    """One tracked step of the shared harness (an optimizer step with ``opt``), the loss the mean
+    of ``losses_of`` (here given the outputs instead of calling the model). Returns the losses
+    and the loss in float64."""
+
+    def individual(outputs, labels):
+        return losses_of(lambda _: outputs, x, labels)
+
+    _, loss, losses = training_step(model, opt, (x, y), individual, cockpit=cockpit, step=step, **kwargs)
     return losses.detach().double(), loss.detach().double()
 
 
@@ -90,7 +95,7 @@ def _check_quantities(name, dtype, variant):
     cockpit = Cockpit(params, quantities=tracked)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vmap's notices of ops it batches by a loop
-        losses, loss = _step(model, params, losses_of, x, y, cockpit, 0, opt)
+        losses, loss = _step(model, losses_of, x, y, cockpit, 0, opt)
         output = cockpit.get_output()[0]
 
     rtol = RTOL[dtype]
@@ -128,10 +133,8 @@ def test_alpha_and_two_step_quantities_match_the_oracle(name):
         for step in range(2):
             x, y = batch(N, gen)
             g = flat(_oracle(model, params, losses_of, x, y, {}))
-            losses, loss = _step(model, params, losses_of, x, y, cockpit, step, opt)
+            losses, loss = _step(model, losses_of, x, y, cockpit, step, opt)
             observed.append((g, losses, loss))
-            opt.step()
-            opt.zero_grad()
         output = cockpit.get_output()
     update = -lr * observed[0][0].mean(0)
     size = update.norm()
@@ -176,7 +179,7 @@ def test_one_sample(name):
     cockpit = Cockpit(params, quantities=[quantities.GradHist1d(EVERY, bins=9, range=hist_range), quantities.MeanGSNR(EVERY)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _step(model, params, losses_of, x, y, cockpit, 0, torch.optim.SGD(params, lr=0.1))
+        _step(model, losses_of, x, y, cockpit, 0, torch.optim.SGD(params, lr=0.1))
     output = cockpit.get_output()[0]
     assert_counts_close(output["GradHist1d"]["hist"], _hist1d_expected(g.flatten(), *hist_range, 9), [g.flatten()],
                         [output["GradHist1d"]["edges"]])
@@ -209,15 +212,23 @@ class DropoutParent(torch.nn.Module):
         return self.lin(self.drop(x * self.scale))
 
 
+def _cross_entropy(reduction):
+    return lambda outputs, labels: torch.nn.functional.cross_entropy(outputs, labels, reduction=reduction)
+
+
 def _tracked_step(model, x, y, quantities_, info_losses=True, reduction="mean", **kwargs):
+    """The output of one tracked step (no optimizer) whose loss is the ``reduction`` of the
+    samples' cross entropies; ``info_losses``: ``info`` holds them too."""
     cockpit = Cockpit(list(model.parameters()), quantities=quantities_, **kwargs)
-    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-    loss = losses.mean() if reduction == "mean" else losses.sum()
-    info = {"batch_size": len(x), "loss": loss}
-    if info_losses:
-        info["individual_losses"] = losses
-    with cockpit(0, info=info):
-        loss.backward()
+    training_step(
+        model,
+        None,
+        (x, y),
+        _cross_entropy("none"),
+        loss_fn=_cross_entropy(reduction),
+        cockpit=cockpit,
+        drop_info=() if info_losses else ("individual_losses",),
+    )
     return cockpit.get_output()[0]
 
 
@@ -271,9 +282,7 @@ def test_hessian_max_eigenvalue_on_a_model_backpack_cannot_handle():
     x, y = batch(N, torch.Generator().manual_seed(1))
     params = list(model.parameters())
     cockpit = Cockpit(params, quantities=[quantities.HessMaxEV(EVERY)])
-    losses = losses_of(model, x, y)
-    with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-        losses.mean().backward(create_graph=cockpit.create_graph(0))
+    _step(model, losses_of, x, y, cockpit)
     names = [name for name, _ in model.named_parameters()]
     values = {name: p.detach() for name, p in model.named_parameters()}
     sizes = [p.numel() for p in params]
@@ -306,9 +315,7 @@ def test_a_batch_of_no_samples_gives_empty_histograms_as_cockpit_does(route):
     tracked = [quantities.GradHist1d(EVERY, bins=7), quantities.GradHist2d(EVERY, bins=(3, 4))]
     cockpit = Cockpit(list(model.parameters()), quantities=tracked, per_sample_route=route)
     x, y = batch(0, torch.Generator().manual_seed(1))
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    with cockpit(0, info={"batch_size": 0, "loss": loss}):
-        loss.backward()
+    training_step(model, None, (x, y), _cross_entropy("none"), cockpit=cockpit, drop_info=("individual_losses",))
     output = cockpit.get_output()[0]
     assert output["GradHist1d"]["hist"].shape == (7,) and output["GradHist1d"]["hist"].sum() == 0
     assert output["GradHist2d"]["hist"].shape == (3, 4) and output["GradHist2d"]["hist"].sum() == 0
@@ -361,8 +368,7 @@ def _norm_test_against_oracle(model, x, y, losses_of, steps=1, before_step=None)
         g = flat(_oracle(model, params, losses_of, x, y, {}))
         mean = g.mean(0)
         expected.append(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5)
-        model.zero_grad()
-        _step(model, params, losses_of, x, y, cockpit, step, None)
+        _step(model, losses_of, x, y, cockpit, step)
     output = cockpit.get_output()
     return [output[s]["NormTest"] for s in range(steps)], expected
 
@@ -411,7 +417,7 @@ def test_nothing_of_a_tracked_step_is_kept_after_it():
     params = list(model.parameters())
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     x, y = batch(N, torch.Generator().manual_seed(1))
-    _step(model, params, losses_of, x, y, cockpit, 0, None)
+    _step(model, losses_of, x, y, cockpit)
     watched = weakref.ref(x)
     del x
     assert watched() is None  # no call, no fired gradient holds the step's input
@@ -427,9 +433,7 @@ def test_a_batch_norm_elsewhere_and_a_failed_forward_leave_other_models_alone():
     with pytest.raises(Exception):
         attention(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))  # wrong width: raises inside
     x, y = batch(N, torch.Generator().manual_seed(1))
-    losses = losses_of(model, x, y)
-    with cockpit(0, info={"batch_size": N, "loss": losses.mean()}):  # no individual losses needed
-        losses.mean().backward()
+    _step(model, losses_of, x, y, cockpit, drop_info=("individual_losses",))  # none needed
     assert cockpit.get_output()[0]["NormTest"] > 0
 
 
@@ -445,11 +449,7 @@ def test_the_engines_own_backward_passes_keep_what_backpack_stored():
     params = list(model.parameters())
     cockpit = Cockpit(params, quantities=[quantities.HessTrace(EVERY), quantities.NormTest(EVERY)])
     x, y = batch(N, torch.Generator().manual_seed(1))
-    outputs = model(x)
-    losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
-    loss = loss_fn(outputs, y)
-    with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": loss}):
-        loss.backward()
+    training_step(model, None, (x, y), _cross_entropy("none"), loss_fn=loss_fn, cockpit=cockpit)
     output = cockpit.get_output()[0]
     assert output["NormTest"] > 0 and all(v > 0 for v in output["HessTrace"])
 

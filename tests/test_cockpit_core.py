@@ -207,12 +207,13 @@ def test_buffers_are_freed_and_user_extensions_kept():
         torch.manual_seed(0)
         model, shape = build_model("mlp")
         model = extend(model)
-        loss_fn = extend(torch.nn.CrossEntropyLoss())
+        loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
         make = lambda q, s: [q.GradHist1d(s.linear(1)), q.NormTest(s.linear(1)), q.HessTrace(s.linear(1))]  # noqa
         cp = FastCockpit(model.parameters(), quantities=make(fast_quantities, fast_schedules))
-        loss = loss_fn(model(torch.randn(4, *shape)), torch.randint(0, 4, (4,)))
-        with cp(0, *user_exts, info={"loss": loss, "batch_size": 4}):
-            loss.backward()
+        batch = torch.randn(4, *shape), torch.randint(0, 4, (4,))
+        training_step(
+            model, None, batch, individual, loss_fn=loss_fn, cockpit=cp, exts=user_exts, drop_info=("individual_losses",)
+        )
         return model, cp.get_output()
 
     model, output = run(())
@@ -266,10 +267,12 @@ def test_values_on_the_cpu_become_output_as_the_run_goes(monkeypatch):
     """Few values wait as tensors (memory), and converting them early changes nothing."""
     make = lambda: [fast_quantities.GradNorm(fast_schedules.linear(1)), fast_quantities.Alpha(fast_schedules.linear(1))]  # noqa: E731
     expected, _ = train(FastCockpit, make, "mlp", steps=9)
-    from cockpit_fast.quantities.quantity import Quantity
+    from cockpit_fast.quantities.quantity import FastQuantity
 
-    waiting, store = [], Quantity._store
-    monkeypatch.setattr(Quantity, "_store", lambda self, *args: (store(self, *args), waiting.append(len(self._pending))))
+    waiting, store = [], FastQuantity._store
+    monkeypatch.setattr(
+        FastQuantity, "_store", lambda self, *args: (store(self, *args), waiting.append(len(self._pending)))
+    )
     monkeypatch.setattr(FastCockpit, "CPU_OUTPUT_EVERY", 4)
     actual, _ = train(FastCockpit, make, "mlp", steps=9)
     assert max(waiting) == 4 and actual == expected
@@ -285,13 +288,12 @@ def test_a_quantity_that_raises_leaves_no_buffers_behind():
 
     torch.manual_seed(0)
     model = extend(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)))
-    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cp = FastCockpit(model.parameters(), quantities=configuration("full"))
-    loss = loss_fn(model(torch.randn(4, 5)), torch.randint(0, 3, (4,)))
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
     with pytest.raises(KeyError, match="individual_losses"):  # Alpha needs them: no 'info' entry
-        with cp(0, info={"loss": loss, "batch_size": 4, "optimizer": opt}):
-            loss.backward(create_graph=cp.create_graph(0))
+        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp, drop_info=("individual_losses",))
     assert leftover_buffers(model) == []
 
 
@@ -335,11 +337,11 @@ def test_a_nan_loss_is_warned_about_on_every_tracked_step_as_in_cockpit():
 @pytest.mark.parametrize("name", ["NormTest", "InnerTest", "OrthoTest"])
 def test_a_variance_over_one_sample_is_a_clear_error(name):
     model = extend(torch.nn.Linear(5, 3))
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
     cp = FastCockpit(model.parameters(), quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
-    loss = extend(torch.nn.CrossEntropyLoss())(model(torch.randn(1, 5)), torch.tensor([0]))
+    batch = torch.randn(1, 5), torch.tensor([0])
     with pytest.raises(ValueError, match=f"{name} estimates a variance .* needs at least 2 of them, got 1"):
-        with cp(0, info={"loss": loss, "batch_size": 1}):
-            loss.backward()
+        training_step(model, None, batch, individual, loss_fn=loss_fn, cockpit=cp, drop_info=("individual_losses",))
 
 
 @pytest.mark.parametrize("name", ["GradNorm", "Alpha", "CABS"])
@@ -350,16 +352,13 @@ def test_a_parameter_without_gradient_is_a_clear_error(name):
     params = [*model.parameters(), *unused.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     cp = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
-    outputs, labels = model(torch.randn(4, 5)), torch.randint(0, 3, (4,))
-    loss = loss_fn(outputs, labels)
-    info = {"loss": loss, "batch_size": 4, "optimizer": opt, "individual_losses": individual(outputs, labels)}
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
     with pytest.raises(RuntimeError, match=r"gradient was not computed for parameters \[2, 3\]"):
-        with cp(0, info=info):
-            loss.backward()
+        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp)
 
 
 def test_all_lists_the_quantities_as_cockpit_does():
     assert fast_quantities.__all__ == cockpit.quantities.__all__
     for name in fast_quantities.__all__:
-        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.Quantity)
-    assert {"Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))
+        assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.FastQuantity)
+    assert {"FastQuantity", "Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))

@@ -1,14 +1,26 @@
 """Tracked steps on a GPU: no host synchronisation inside the step, and the same numbers as on the CPU."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from backpack import extend
 
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.utils.configuration import configuration
+from cockpit_fast.utils.training import training_step
 from test_cockpit_core import assert_same_output
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@contextmanager
+def sync_debug(mode):
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def tracked_run(device, sync_debug_mode, steps=4, batch_size=16):
@@ -23,17 +35,16 @@ def tracked_run(device, sync_debug_mode, steps=4, batch_size=16):
     for step in range(steps):
         inputs = torch.randn(batch_size, 20, generator=data).to(device)
         labels = torch.randint(0, 5, (batch_size,), generator=data).to(device)
-        opt.zero_grad()
-        outputs = model(inputs)
-        loss = loss_fn(outputs, labels)
-        info = {"batch_size": batch_size, "individual_losses": individual_loss_fn(outputs, labels), "loss": loss, "optimizer": opt}
-        torch.cuda.set_sync_debug_mode(sync_debug_mode)
-        try:
-            with cockpit(step, info=info):
-                loss.backward(create_graph=cockpit.create_graph(step))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        opt.step()
+        training_step(
+            model,
+            opt,
+            (inputs, labels),
+            individual_loss_fn,
+            loss_fn=loss_fn,
+            cockpit=cockpit,
+            step=step,
+            backward_context=sync_debug(sync_debug_mode),  # the tracked backward pass must not sync
+        )
     return cockpit.get_output()
 
 

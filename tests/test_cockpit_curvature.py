@@ -8,6 +8,7 @@ from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.utils import configuration as fast_configuration
 from cockpit_fast.utils import schedules as fast_schedules
+from cockpit_fast.utils.training import training_step
 from test_cockpit_core import MODELS, assert_same_output, one, side_by_side, train
 
 ref_configuration = pytest.importorskip("cockpit.utils.configuration")
@@ -76,9 +77,8 @@ def test_hess_max_ev_of_a_float64_model_is_the_hessians_largest_eigenvalue():
     model, loss_fn = extend(torch.nn.Linear(3, 2).double()), extend(torch.nn.CrossEntropyLoss())
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
     cp = FastCockpit(model.parameters(), quantities=[fast_quantities.HessMaxEV(fast_schedules.linear(1))])
-    loss = loss_fn(model(x), y)
-    with cp(0, info={"loss": loss, "batch_size": 6}):
-        loss.backward(create_graph=cp.create_graph(0))
+    individual = torch.nn.CrossEntropyLoss(reduction="none")
+    training_step(model, None, (x, y), individual, loss_fn=loss_fn, cockpit=cp, drop_info=("individual_losses",))
     weight, bias = model.weight.detach(), model.bias.detach()
 
     def loss_of(flat):

@@ -1,6 +1,7 @@
 """Quantities written for Cockpit 1.0.2 run on cockpit_fast's Cockpit once their imports name
-cockpit_fast: Cockpit's own quantity modules, ported by rewriting their imports, and a custom
-quantity that reads ``param.grad_batch``, side by side with Cockpit."""
+cockpit_fast: Cockpit's own quantity modules, ported by rewriting their imports, a custom
+quantity that reads ``param.grad_batch``, and users' quantities deriving from Cockpit's bare
+``Quantity``, side by side with Cockpit."""
 
 import warnings
 from pathlib import Path
@@ -20,17 +21,33 @@ cockpit_base = pytest.importorskip("cockpit.quantities.quantity")
 IMPORTS = {"cockpit.quantities.quantity": "cockpit_fast.quantities.quantity", "cockpit.context": "cockpit_fast.context"}
 
 
+def run_source(source, label, ours):
+    """The namespace of ``source``, a module written for Cockpit 1.0.2, run as it is or (``ours``)
+    with its imports of the base classes and of ``cockpit.context`` changed to cockpit_fast's."""
+    if ours:
+        for theirs, fast in IMPORTS.items():
+            source = source.replace(f"from {theirs} import", f"from {fast} import")
+    namespace = {"__name__": label}
+    exec(compile(source, f"<{label}>", "exec"), namespace)
+    return namespace
+
+
 def ported(module, name):
     """Class ``name`` of Cockpit 1.0.2's ``cockpit.quantities.<module>``, its imports of the base
     classes and of ``cockpit.context`` changed to cockpit_fast's, nothing else."""
     source = (Path(cockpit.__file__).parent / "quantities" / f"{module}.py").read_text()
-    for theirs, ours in IMPORTS.items():
-        source = source.replace(f"from {theirs} import", f"from {ours} import")
-    namespace = {"__name__": f"ported_{module}"}
-    exec(compile(source, f"<cockpit {module}.py, ported>", "exec"), namespace)
-    cls = namespace[name]
-    assert issubclass(cls, fast_base.CockpitQuantity)
+    cls = run_source(source, f"ported_{module}", ours=True)[name]
+    assert issubclass(cls, fast_base.Quantity)
     return cls
+
+
+def written_for_cockpit(source, name):
+    """Class ``name`` of ``source`` (a user's module written for Cockpit 1.0.2): as written, and
+    with its imports changed to cockpit_fast's."""
+    theirs = run_source(source, "users_quantity", ours=False)[name]
+    ours = run_source(source, "users_quantity_ported", ours=True)[name]
+    assert issubclass(ours, fast_base.Quantity) and not issubclass(theirs, fast_base.FastQuantity)
+    return theirs, ours
 
 
 PORTED = [
@@ -145,3 +162,81 @@ def test_context_outside_tracking_is_a_clear_error():
 
     with pytest.raises(KeyError, match="Please hand in 'batch_size' via cockpit"):
         get_batch_size(0)
+
+
+# Quantities a user derives from Cockpit's bare ``Quantity``, each written once for Cockpit 1.0.2.
+BARE_COMPUTE = """
+from backpack.extensions import BatchGrad
+
+from cockpit.quantities.quantity import Quantity
+
+
+class GradBatchL1(Quantity):
+    def extensions(self, global_step):
+        return [BatchGrad()] if self.should_compute(global_step) else []
+
+    def should_compute(self, global_step):
+        return self._track_schedule(global_step)
+
+    def compute(self, global_step, params, batch_loss):
+        per_sample = sum(p.grad_batch.flatten(start_dim=1).abs().sum(1) for p in params)
+        return global_step, per_sample * batch_loss
+"""
+
+# Overrides track itself and has no should_compute, which only Cockpit's own track calls.
+BARE_TRACK = """
+from backpack.extensions import BatchL2Grad
+
+from cockpit.quantities.quantity import Quantity
+
+
+class EvenStepNorms(Quantity):
+    def extensions(self, global_step):
+        return [BatchL2Grad()] if global_step % 2 == 0 else []
+
+    def track(self, global_step, params, batch_loss):
+        if global_step % 2 == 0:
+            self.output[global_step] = {"loss": batch_loss.item(), "batch_l2": [p.batch_l2.tolist() for p in params]}
+"""
+
+BARE_HOOK = """
+from backpack.extensions import BatchGrad
+
+from cockpit.quantities.quantity import Quantity
+from cockpit.quantities.utils_transforms import BatchGradTransformsHook
+
+
+def abs_max(grad_batch):
+    return grad_batch.flatten(start_dim=1).abs().amax(1)
+
+
+class GradBatchAbsMax(Quantity):
+    def extensions(self, global_step):
+        return [BatchGrad()] if self.should_compute(global_step) else []
+
+    def extension_hooks(self, global_step):
+        return [BatchGradTransformsHook({"abs_max": abs_max})] if self.should_compute(global_step) else []
+
+    def should_compute(self, global_step):
+        return self._track_schedule(global_step)
+
+    def compute(self, global_step, params, batch_loss):
+        return global_step, [p.grad_batch_transforms["abs_max"] for p in params]
+"""
+
+
+BARE = [
+    (BARE_COMPUTE, "GradBatchL1", [0, 2, 3]),
+    (BARE_TRACK, "EvenStepNorms", [0, 2]),
+    (BARE_HOOK, "GradBatchAbsMax", [1, 2]),
+]
+
+
+@pytest.mark.parametrize("source, name, steps", BARE, ids=["compute", "track", "extension_hooks"])
+def test_a_quantity_deriving_from_cockpits_bare_quantity_runs_unchanged(source, name, steps):
+    """``should_compute`` and ``compute``, or its own ``track(global_step, params, batch_loss)``,
+    or an extension hook: the same output as under Cockpit."""
+    theirs, ours = written_for_cockpit(source, name)
+    expected, actual = side_by_side(lambda: [theirs(steps.__contains__)], lambda: [ours(steps.__contains__)])
+    assert_same_output(actual, expected)
+    assert sorted(actual) == steps

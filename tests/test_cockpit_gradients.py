@@ -10,6 +10,7 @@ from backpack import extend
 from cockpit_fast import Cockpit
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.utils import schedules as fast_schedules
+from cockpit_fast.utils.training import training_step
 from distributed_training import train
 from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side
 
@@ -115,6 +116,7 @@ def _spiked_run(cockpit_cls, q, s, make, route="auto"):
     gradients of about 1e37) and a weight is 1e37 (its inputs are zero). Returns the output."""
     torch.manual_seed(0)
     model, loss_fn = extend(torch.nn.Linear(3, 2)), extend(torch.nn.CrossEntropyLoss())
+    individual = torch.nn.CrossEntropyLoss(reduction="none")
     kwargs = {} if cockpit_cls is cockpit.Cockpit else {"per_sample_route": route}
     cp = cockpit_cls(model.parameters(), quantities=make(q, s), **kwargs)
     for step in range(4):
@@ -124,10 +126,10 @@ def _spiked_run(cockpit_cls, q, s, make, route="auto"):
             x[0, 0], x[1, 0], x[:, 1] = 1e37, -1e37, 0.0
             with torch.no_grad():
                 model.weight[0, 1] = 1e37
-        loss = loss_fn(model(x), torch.tensor([1, 0, 0, 1]))
-        model.zero_grad()
-        with cp(step, info={"batch_size": 4, "loss": loss}):
-            loss.backward()
+        batch = x, torch.tensor([1, 0, 0, 1])
+        training_step(
+            model, None, batch, individual, loss_fn=loss_fn, cockpit=cp, step=step, drop_info=("individual_losses",)
+        )
         with torch.no_grad():
             model.weight.copy_(saved)
     return cp.get_output()

@@ -16,13 +16,13 @@ from cockpit_fast.quantities.mean_gsnr import MeanGSNR
 from cockpit_fast.quantities.norm_test import NormTest
 from cockpit_fast.quantities.ortho_test import OrthoTest
 from cockpit_fast.quantities.parameters import Parameters
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity, Quantity
 from cockpit_fast.quantities.tic_diag import TICDiag
 from cockpit_fast.quantities.tic_trace import TICTrace
 from cockpit_fast.quantities.time import Time
 from cockpit_fast.quantities.update_size import UpdateSize
 
-# The 19 quantities, as Cockpit lists them; Quantity and the bin adaptations stay importable here.
+# The 19 quantities, as Cockpit lists them; the base classes and the bin adaptations stay importable here.
 __all__ = [
     "Loss",
     "Parameters",

@@ -2,10 +2,10 @@
 
 from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities._curvature import check_curvature, curvature_extension
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class TIC(Quantity):
+class TIC(FastQuantity):
     """Base of the TIC approximations (Thomas et al., 2019): gradient second moment over curvature.
 
     Args:

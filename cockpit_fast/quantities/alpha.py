@@ -9,10 +9,10 @@ import torch
 from cockpit_fast import ops
 from cockpit_fast._step import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
-from cockpit_fast.quantities.quantity import Deferred, Quantity, StepCache
+from cockpit_fast.quantities.quantity import Deferred, FastQuantity, StepCache
 
 
-class Alpha(Quantity):
+class Alpha(FastQuantity):
     """Tracks α, where the step from t to t + 1 lands on a quadratic fitted along it, under step t.
 
     The fit uses loss values, projected gradients and their sample variances at both ends.

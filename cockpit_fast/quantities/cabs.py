@@ -2,10 +2,10 @@
 
 from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities._optim import require_plain_sgd, single_learning_rate
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class CABS(Quantity):
+class CABS(FastQuantity):
     """Tracks the batch size that CABS (Balles et al., 2017, eq. 22) suggests, for plain SGD.
 
     lr · tr(Σ) / L, with Σ the gradient covariance estimated from the individual gradients and L

@@ -1,10 +1,10 @@
 """Distance of the parameters from their initial values."""
 
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 from cockpit_fast.quantities.update_size import layerwise_distance
 
 
-class Distance(Quantity):
+class Distance(FastQuantity):
     """Tracks each parameter's ℓ₂ distance from its value at step 0 (a list, one per parameter).
 
     The parameters are copied at step 0, whatever the schedule; step 0 must be tracked.

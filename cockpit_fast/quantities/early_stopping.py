@@ -2,10 +2,10 @@
 
 from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities._optim import require_plain_sgd
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class EarlyStopping(Quantity):
+class EarlyStopping(FastQuantity):
     """Tracks the EB criterion (Mahsereci et al., 2017, eq. 7); training should stop above 0.
 
     1 − B · mean_j g_j² / (s_j² + ε) with s² the per-element sample variance of the individual

@@ -4,10 +4,10 @@ import torch
 
 from cockpit_fast._step import Hist1d
 from cockpit_fast.quantities.bin_adaptation import NoAdaptation
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class GradHist1d(Quantity):
+class GradHist1d(FastQuantity):
     """Tracks a histogram of all individual gradient elements, outliers clamped into the range.
 
     The value is ``{"hist": counts (bins,), "edges": bin edges (bins + 1,)}``, summed over

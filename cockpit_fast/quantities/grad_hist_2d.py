@@ -4,10 +4,10 @@ import torch
 
 from cockpit_fast._step import Hist2d
 from cockpit_fast.quantities.bin_adaptation import NoAdaptation
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class GradHist2d(Quantity):
+class GradHist2d(FastQuantity):
     """Tracks a 2D histogram: individual gradient elements (x) against parameter elements (y).
 
     Values outside the range are clamped to the centre of the outer bin. The value is

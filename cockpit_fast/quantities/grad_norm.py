@@ -2,10 +2,10 @@
 
 import torch
 
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class GradNorm(Quantity):
+class GradNorm(FastQuantity):
     """Tracks the ℓ₂ norm of each parameter's mini-batch gradient (a list, one per parameter)."""
 
     def _compute(self, ctx):

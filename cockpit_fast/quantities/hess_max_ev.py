@@ -7,10 +7,10 @@ import torch
 
 from cockpit_fast._optional import require
 from cockpit_fast.distributed import global_mean, same_everywhere
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class HessMaxEV(Quantity):
+class HessMaxEV(FastQuantity):
     """Tracks the largest eigenvalue of the loss Hessian, by power iteration on Hessian-vector
     products (needs ``loss.backward(create_graph=cockpit.create_graph(step))``).
 

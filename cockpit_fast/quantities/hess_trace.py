@@ -1,10 +1,10 @@
 """Trace of the Hessian or of a diagonal approximation to it."""
 
 from cockpit_fast.quantities._curvature import check_curvature, curvature_extension
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class HessTrace(Quantity):
+class HessTrace(FastQuantity):
     """Tracks the trace of a diagonal curvature per parameter (a list, one per parameter).
 
     Args:

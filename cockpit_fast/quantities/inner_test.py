@@ -1,10 +1,10 @@
 """Inner product test for the mini-batch size."""
 
 from cockpit_fast._step import DOT_MEAN_GRAD
-from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
+from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 
-class InnerTest(Quantity):
+class InnerTest(FastQuantity):
     """Tracks the largest θ for which the inner product test (Bollapragada et al., 2017) passes.
 
     With projections π_n = <∇ℓ_n, g> of the individual gradients on the mini-batch gradient g:

@@ -1,9 +1,9 @@
 """The mini-batch loss."""
 
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class Loss(Quantity):
+class Loss(FastQuantity):
     """Tracks the mini-batch training loss from ``info['loss']``.
 
     A NaN loss is warned about by the cockpit on every tracked step, whatever it tracks.

@@ -1,10 +1,10 @@
 """Mean gradient signal-to-noise ratio."""
 
 from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class MeanGSNR(Quantity):
+class MeanGSNR(FastQuantity):
     """Tracks the gradient signal-to-noise ratio (Liu et al., 2020) averaged over all elements.
 
     Per element: g² / (B · sum_n grad_batch_n² − g² + ε) with g the mini-batch gradient.

@@ -1,10 +1,10 @@
 """Norm test for the mini-batch size."""
 
 from cockpit_fast._step import BATCH_L2
-from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
+from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 
-class NormTest(Quantity):
+class NormTest(FastQuantity):
     """Tracks the largest θ for which the norm test (Byrd et al., 2012, eq. 3.9) passes.
 
     With N samples, individual gradients ∇ℓ_n and mini-batch gradient g:

@@ -1,10 +1,10 @@
 """Orthogonality test for the mini-batch size."""
 
 from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD
-from cockpit_fast.quantities.quantity import Quantity, samples_for_variance
+from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 
-class OrthoTest(Quantity):
+class OrthoTest(FastQuantity):
     """Tracks the largest ν for which the orthogonality test (Bollapragada et al., 2017) passes.
 
     It measures the variance of the individual gradients' components orthogonal to the

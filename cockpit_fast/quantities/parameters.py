@@ -1,9 +1,9 @@
 """The parameter values."""
 
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class Parameters(Quantity):
+class Parameters(FastQuantity):
     """Tracks the values of every parameter, as nested lists (one per parameter)."""
 
     READS_BATCH = False  # parameters and time are the same in every process

@@ -1,8 +1,9 @@
 """Base classes of tracked quantities and the conversion of their results to plain output.
 
-:class:`Quantity` is the base of the built-in quantities. :class:`SingleStepQuantity`,
-:class:`TwoStepQuantity` and :class:`ByproductQuantity` keep Cockpit 1.0.2's contract, so that a
-quantity written for Cockpit runs unchanged once its import names this module.
+:class:`FastQuantity` is the base of the built-in quantities. :class:`Quantity`,
+:class:`SingleStepQuantity`, :class:`TwoStepQuantity` and :class:`ByproductQuantity` keep Cockpit
+1.0.2's contract, so that a quantity written for Cockpit runs unchanged once its import names this
+module.
 """
 
 from collections import defaultdict
@@ -10,12 +11,12 @@ from collections import defaultdict
 import numpy
 import torch
 
-from cockpit_fast._step import StepContext
 from cockpit_fast.context import tracking
 
 
-class Quantity:
-    """A value tracked on the steps its schedule selects.
+class FastQuantity:
+    """cockpit_fast's own quantity interface, read from the engine's per-parameter statistics:
+    the base of the built-in quantities, and what users subclass to write a fast quantity.
 
     A quantity tells the cockpit, before the backward pass, which per-parameter statistics
     (:mod:`cockpit_fast._step`) and extra BackPACK extensions it needs, and turns them into its
@@ -68,6 +69,10 @@ class Quantity:
     def protected_savefields(self, global_step):
         """Names of BackPACK buffers the cockpit must leave on the parameters after tracking."""
         return set()
+
+    def _track_step(self, ctx):
+        """What the cockpit calls after the backward pass of ``ctx.global_step``."""
+        self.track(ctx)
 
     def track(self, ctx):
         """Compute and store the value at ``ctx.global_step`` if the schedule asks for it."""
@@ -188,16 +193,17 @@ class StepCache:
             del self._entries[old]
 
 
-class CockpitQuantity(Quantity):
+class Quantity(FastQuantity):
     """Cockpit 1.0.2's ``Quantity`` contract on cockpit_fast's cockpit: the base of
-    :class:`SingleStepQuantity`, :class:`TwoStepQuantity` and :class:`ByproductQuantity`.
+    :class:`SingleStepQuantity`, :class:`TwoStepQuantity` and :class:`ByproductQuantity`, and of a
+    quantity written for Cockpit against its bare ``Quantity``.
 
     Such a quantity names its BackPACK extensions and extension hooks, and computes its value
-    in ``compute(global_step, params, batch_loss)`` from the buffers BackPACK left on the
-    parameters (the cockpit frees them after tracking), and reads ``info`` through
-    :mod:`cockpit_fast.context`. Values are stored in :attr:`output`
-    as Cockpit stores them (tensors become numpy arrays at once). Under ``torch.distributed``
-    it sees its own process's batch, loss and buffers.
+    in ``compute(global_step, params, batch_loss)`` (or overrides ``track(global_step, params,
+    batch_loss)`` itself) from the buffers BackPACK left on the parameters (the cockpit frees
+    them after tracking), and reads ``info`` through :mod:`cockpit_fast.context`. Values are
+    stored in :attr:`output` as Cockpit stores them (tensors become numpy arrays at once). Under
+    ``torch.distributed`` it sees its own process's batch, loss and buffers.
     """
 
     READS_BATCH = False  # it reads BackPACK's buffers, not the cockpit's combined statistics
@@ -214,17 +220,17 @@ class CockpitQuantity(Quantity):
         """Whether to compute at ``global_step``; subclasses must say."""
         raise NotImplementedError
 
-    def track(self, global_step, params=None, batch_loss=None):
-        """Cockpit's ``track(global_step, params, batch_loss)``: compute if scheduled and store.
+    def _track_step(self, ctx):
+        """Cockpit's call: ``track(global_step, params, batch_loss)`` with the step, the tracked
+        parameters and ``info['loss']``, which Cockpit requires on every step and this cockpit on
+        the steps that compute."""
+        needs_loss = ctx.has_info("loss") or self.should_compute(ctx.global_step)
+        loss = ctx.info("loss", self) if needs_loss else None
+        with tracking(ctx):  # cockpit_fast.context reads its info, as cockpit.context would
+            self.track(ctx.global_step, ctx.params, loss)
 
-        The cockpit calls it with its step context instead, whose step, tracked parameters and
-        ``info['loss']`` (needed on the steps that compute) become the three arguments.
-        """
-        if isinstance(global_step, StepContext):
-            ctx = global_step
-            loss = ctx.info("loss", self) if self.should_compute(ctx.global_step) else None
-            with tracking(ctx):  # cockpit_fast.context reads its info, as cockpit.context would
-                return self.track(ctx.global_step, ctx.params, loss)
+    def track(self, global_step, params, batch_loss):
+        """Compute if scheduled and store (Cockpit's ``track``)."""
         if not self.should_compute(global_step):
             if self._verbose:
                 print(f"{self._verbose_prefix(global_step)}: No computation scheduled")
@@ -331,7 +337,7 @@ def _summed(tensors, aggregate):
     return sum(tensors) if aggregate else tensors
 
 
-class SingleStepQuantity(CockpitQuantity):
+class SingleStepQuantity(Quantity):
     """Cockpit's quantity of one step: subclasses implement ``_compute(global_step, params,
     batch_loss)`` (and ``extensions``); it is computed on the steps of ``track_schedule``."""
 
@@ -352,7 +358,7 @@ class ByproductQuantity(SingleStepQuantity):
         return []
 
 
-class TwoStepQuantity(CockpitQuantity):
+class TwoStepQuantity(Quantity):
     """Cockpit's quantity of two steps, a start and an end.
 
     Subclasses implement ``is_start``, ``is_end``, ``_compute_start`` (which keeps what the end

@@ -2,10 +2,10 @@
 
 import time
 
-from cockpit_fast.quantities.quantity import Quantity
+from cockpit_fast.quantities.quantity import FastQuantity
 
 
-class Time(Quantity):
+class Time(FastQuantity):
     """Tracks ``time.time()`` at the end of the backward pass."""
 
     READS_BATCH = False  # parameters and time are the same in every process

@@ -2,7 +2,7 @@
 
 import torch
 
-from cockpit_fast.quantities.quantity import Quantity, StepCache
+from cockpit_fast.quantities.quantity import FastQuantity, StepCache
 
 
 def layerwise_distance(params, reference):
@@ -10,7 +10,7 @@ def layerwise_distance(params, reference):
     return [torch.linalg.vector_norm(p.detach() - r) for p, r in zip(params, reference)]
 
 
-class UpdateSize(Quantity):
+class UpdateSize(FastQuantity):
     """Tracks the ℓ₂ norm of each parameter's update from step t to t + 1, stored under step t.
 
     Parameters are copied at every scheduled step t and compared at step t + 1.
