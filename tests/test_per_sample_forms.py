@@ -151,8 +151,10 @@ LAYERS = {
     "conv2d_groups": (lambda: nn.Conv2d(4, 6, 3, groups=2, stride=(2, 1), padding=1), (4, 6, 6), True),
     "conv2d_depthwise": (lambda: nn.Conv2d(3, 6, 3, groups=3, padding=1, padding_mode="reflect"), (3, 5, 5), True),
     "conv2d_wide": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 12, 12), True),  # factors do not pay
+    "conv2d_channels": (lambda: nn.Conv2d(8, 3, 3, padding=1, stride=2), (8, 9, 9), True),  # a group per sample
     "conv1d_wide": (lambda: nn.Conv1d(2, 3, 3, stride=2, dilation=2), (2, 40), True),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), dilation=(2, 1, 1), padding=(1, 0, 1)), (2, 5, 4, 3), True),
+    "conv3d_channels": (lambda: nn.Conv3d(8, 2, 2, padding=(1, 0, 0)), (8, 3, 3, 3), True),
     "layer_norm": (lambda: nn.LayerNorm((3, 4)), (2, 3, 4), True),
     "rms_norm": (lambda: nn.RMSNorm(4), (3, 4), True),
     "group_norm": (lambda: nn.GroupNorm(2, 4), (4, 3, 3), True),
@@ -198,7 +200,7 @@ def test_rules_give_torch_func_per_sample_gradients(name):
         torch.testing.assert_close(form.grad, p.grad, rtol=1e-10, atol=1e-12, msg=key)
 
 
-def test_convolutions_take_the_cheaper_form(monkeypatch):
+def test_convolutions_take_the_cheaper_form():
     def form_of(layer, x):
         capture = Capture(list(layer.parameters()))
         loss = layer(x).pow(2).sum()
@@ -206,12 +208,27 @@ def test_convolutions_take_the_cheaper_form(monkeypatch):
         loss.backward()
         return capture.disarm()[0][id(layer.weight)]
 
-    # Many positions: formed as a grouped convolution's weight gradient, no unfolded input.
-    monkeypatch.setattr(torch.nn.functional, "unfold", None)
-    assert isinstance(form_of(nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 16, 16)), ConvGrads)
-    monkeypatch.undo()
-    # Few positions: factors smaller than the gradients.
+    # Many positions and channels: a grouped convolution's weight gradient.
+    assert isinstance(form_of(nn.Conv2d(8, 4, 3, padding=1), torch.randn(2, 8, 16, 16)), ConvGrads)
+    # Few input channels, or few positions: the unfolded input's factors.
+    assert isinstance(form_of(nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 16, 16)), FactoredGrads)
     assert isinstance(form_of(nn.Conv2d(64, 8, 3), torch.randn(2, 64, 3, 3)), FactoredGrads)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_unfolded_input_equals_unfold(dims):
+    from cockpit_fast.per_sample.rules import _unfolded
+
+    gen = torch.Generator().manual_seed(dims)
+    # A channel slice: strided, with a storage offset.
+    x = torch.randn(3, 5, *[7 + i for i in range(dims)], generator=gen, dtype=torch.float64)[:, 1:4]
+    kernel, dilation, stride = (3, 2, 2)[:dims], (1, 2, 1)[:dims], (2, 1, 3)[:dims]
+    weight = torch.randn(4, 3, *kernel, generator=gen, dtype=torch.float64)
+    conv = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[dims]
+    expected = conv(x, weight, None, stride, 0, dilation).flatten(2)
+    torch.testing.assert_close(weight.flatten(1) @ _unfolded(x, kernel, dilation, stride), expected)
+    if dims == 2:
+        torch.testing.assert_close(_unfolded(x, kernel, dilation, stride), torch.nn.functional.unfold(x, kernel, dilation, 0, stride))
 
 
 def test_a_parameter_unfrozen_after_the_first_step_is_captured():

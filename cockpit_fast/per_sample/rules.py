@@ -80,13 +80,22 @@ def _padded_input(module, x):
     return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
 
 
+FEW_INPUT_CHANNELS = 8
+"""Below this many input channels (per group) a convolution's per-sample gradients come faster
+from its unfolded input than from a convolution with a group per sample (on this project's CPU,
+N = 64 over 32 x 32: 3 channels 2.1 against 3.7 ms, 16 channels 3.4 against 2.6 ms)."""
+
+
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def convolution(module, inputs, output_grad):
     x = _padded_input(module, inputs[0])
-    kernel_size = math.prod(module.kernel_size) * module.in_channels // module.groups
+    channels = module.in_channels // module.groups
     positions = math.prod(output_grad.shape[2:])
-    if module.groups == 1 and x.dim() <= 4 and factors_pay(positions, module.out_channels, kernel_size):
-        grad = _unfolded_factors(module, x, output_grad)
+    if module.groups == 1 and (
+        channels < FEW_INPUT_CHANNELS or factors_pay(positions, module.out_channels, channels * math.prod(module.kernel_size))
+    ):
+        columns = _unfolded(x, module.kernel_size, module.dilation, module.stride)
+        grad = FactoredGrads(output_grad.flatten(2).transpose(1, 2), columns.transpose(1, 2), module.weight.shape)
     else:
         grad = ConvGrads(x, output_grad, module.weight.shape, module.stride, module.dilation, module.groups)
     grads = {"weight": grad}
@@ -95,16 +104,18 @@ def convolution(module, inputs, output_grad):
     return grads
 
 
-def _unfolded_factors(module, x, output_grad):
-    """Factors of a 1-d or 2-d convolution's weight: output gradient and unfolded input, for
-    few positions (a late layer over a small image), where they are smaller than the gradients."""
-    as_2d = x.dim() == 3
-    if as_2d:  # a 1-d convolution is a 2-d one over a height of 1
-        x = x.unsqueeze(2)
-    kernel, dilation, stride = ((1, *v) if as_2d else v for v in (module.kernel_size, module.dilation, module.stride))
-    columns = F.unfold(x, kernel, dilation, 0, stride)  # (N, in * prod(kernel), positions)
-    delta = output_grad.flatten(2)  # (N, out, positions)
-    return FactoredGrads(delta.transpose(1, 2), columns.transpose(1, 2), module.weight.shape)
+def _unfolded(x, kernel, dilation, stride):
+    """``(N, in * prod(kernel), positions)``: the input under the kernel at each output position
+    (``F.unfold`` for any number of spatial dimensions), one copy of a strided view of ``x``."""
+    n, channels, *size = x.shape
+    out = [(length - d * (k - 1) - 1) // s + 1 for length, k, d, s in zip(size, kernel, dilation, stride)]
+    spatial = x.stride()[2:]
+    view = x.as_strided(
+        (n, channels, *kernel, *out),
+        (*x.stride()[:2], *(st * d for st, d in zip(spatial, dilation)), *(st * s for st, s in zip(spatial, stride))),
+        x.storage_offset(),
+    )
+    return view.reshape(n, channels * math.prod(kernel), math.prod(out))
 
 
 @register_rule(nn.Embedding)
