@@ -122,6 +122,25 @@ def test_chunks_bound_what_is_formed_at_once(monkeypatch):
     torch.testing.assert_close(torch.cat(chunks), torch.einsum("nto,nti->noi", form.left, form.right))
 
 
+def test_chunks_of_a_replayed_call_bound_all_its_parameters(monkeypatch):
+    class NoRule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 5))
+            self.b = nn.Parameter(torch.randn(5))
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w) + self.b
+
+    layer = NoRule()
+    capture = Capture(list(layer.parameters()))
+    capture.arm()
+    layer(torch.randn(6, 4)).pow(2).sum().backward()
+    bias = capture.disarm()[0][id(layer.b)]
+    monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 2 * 25)  # two samples of both parameters
+    assert [chunk.shape for chunk in bias.chunks()] == [(2, 5)] * 3
+
+
 class HFConv1D(nn.Module):
     """Hugging Face's Conv1D as it computes: x @ weight + bias, weight (in, out)."""
 

@@ -52,6 +52,11 @@ class Call:
         self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
         self._replayed = None
 
+    @property
+    def size(self):
+        """How many values the call's parameters hold: what a replay forms per sample."""
+        return sum(p.numel() for p in self.params.values())
+
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
         return rules.rule_for(self.module) is None or bool(set(self.params) - self.direct)
@@ -144,12 +149,13 @@ class Capture:
             return None
         # Whether a parameter is trained may change between steps (gradual unfreezing).
         owned = [entry for entry in self._owned_by(module) if entry[2].requires_grad]
-        if not owned and not rules.mixes_samples(module):  # nothing to see: the common case
+        mixing = rules.mixes_samples(module)
+        if not owned and not mixing:  # nothing to see: the common case
             if self._frames:
                 self._frames[-1][1].update(claimed_inside)
             return None
         outputs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-        if rules.mixes_samples(module) and outputs:
+        if mixing and outputs:
             token = _Mixing(module)  # lives as long as the graph through this call
             self._mixing.add(token)
             outputs[0].register_hook(lambda grad, token=token: None)

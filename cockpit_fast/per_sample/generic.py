@@ -31,6 +31,10 @@ class ModuleVjpGrads(PerSampleGrads):
         self.shape = call.params[name].shape
         self._cache = None
 
+    @property
+    def formed_per_sample(self):
+        return self._call.size  # a replay forms every parameter of the call at once
+
     def dense_range(self, start, stop):
         if self._cache is None or self._cache[0] != (start, stop):
             values = self._call.replay(start, stop, self._output_grads)

@@ -37,9 +37,9 @@ def factors_pay(positions, left_size, right_size):
     return positions == 1 or positions * (left_size + right_size) < left_size * right_size
 
 
-def samples_per_chunk(shape):
-    """How many samples' gradients of ``shape`` one chunk holds (:data:`CHUNK_VALUES`)."""
-    return max(1, CHUNK_VALUES // max(1, math.prod(shape)))
+def samples_per_chunk(values_per_sample):
+    """How many samples one chunk holds when each forms ``values_per_sample`` values (:data:`CHUNK_VALUES`)."""
+    return max(1, CHUNK_VALUES // max(1, values_per_sample))
 
 
 def _acc(t):
@@ -63,9 +63,15 @@ class PerSampleGrads:
     def chunks(self, size=None):
         """Dense gradients ``(c, *shape)`` of ``size`` consecutive samples at a time (the last
         chunk may be smaller); by default as many as :data:`CHUNK_VALUES` allows."""
-        size = size or samples_per_chunk(self.shape)
+        size = size or samples_per_chunk(self.formed_per_sample)
         for start in range(0, self.batch_size, size) or [0]:  # no samples: one empty chunk
             yield self.dense_range(start, min(start + size, self.batch_size))
+
+    @property
+    def formed_per_sample(self):
+        """How many values forming one sample's gradient takes (more than the gradient's where
+        other parameters are formed alongside it)."""
+        return math.prod(self.shape)
 
     def dense_range(self, start, stop):
         """The dense gradients of samples ``start`` to ``stop``, ``(stop - start, *shape)``."""
@@ -355,6 +361,10 @@ class SummedGrads(PerSampleGrads):
         self.parts = parts
         self.batch_size, self.shape = parts[0].batch_size, parts[0].shape
 
+    @property
+    def formed_per_sample(self):
+        return sum(part.formed_per_sample for part in self.parts)
+
     @cached_property
     def grad(self):
         return sum(part.grad for part in self.parts)
@@ -385,6 +395,10 @@ class HookedGrads(PerSampleGrads):
     def __init__(self, form, hooks):
         self.form, self.hooks = form, hooks
         self.batch_size, self.shape = form.batch_size, form.shape
+
+    @property
+    def formed_per_sample(self):
+        return self.form.formed_per_sample
 
     FRESH_RANGES = True
 
