@@ -44,7 +44,7 @@ class Call:
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
         self.kwargs = {k: detach(v) for k, v in (kwargs or {}).items()}
-        self.output_shapes = [torch.empty(o.shape, device="meta") for o in outputs]
+        self.output_shapes = [o.shape for o in outputs]
         # Modules given sequences time-first (batch_first=False), and the modules they call,
         # keep their samples along dimension 1.
         self.sample_dim = 1 if time_first else 0
@@ -73,7 +73,8 @@ class Call:
             _replaying[0] += 1
             try:
                 values = replay_grads(
-                    self.module, self.params, self.args, self.kwargs, self.output_shapes, output_grads,
+                    self.module, self.params, self.args, self.kwargs,
+                    [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
                     self.sample_dim, self.batch_size, start, stop,
                 )
             finally:
@@ -178,7 +179,10 @@ class Capture:
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
         self.recent.add(call)
         me = weakref.ref(self)
-        torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
+        if len(outputs) == 1:  # a tensor hook costs less than a multi-grad hook (every call pays it)
+            outputs[0].register_hook(lambda grad: _call(me, "_fire", call, [grad]))
+        else:
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
         return replaced
 
     def _shared_lookup(self, module, args, output, sample_dim):
