@@ -81,13 +81,13 @@ class Cockpit:
             if not p.requires_grad:
                 raise ValueError(f"Got a parameter with requires_grad=False, which cannot be tracked: {p}")
         self.quantities = []
+        # Watches the forward passes once a quantity needs their calls (per-sample gradients).
+        self._capture = None
         for q in quantities or []:
             self.add(q)
         self.output = defaultdict(dict)
         self._nan_loss = _NanLossWatch()
         self._steps_since_output = 0
-        # Watches the forward passes from now on: the per-sample gradients come from their calls.
-        self._capture = Capture(self.params)
         self._checked = False  # the first step with per-sample statistics checks the model
         self._mixed_modules = weakref.WeakSet()  # modules whose samples cannot be told apart
 
@@ -102,6 +102,8 @@ class Cockpit:
                 f"Quantities must be instances of cockpit_fast's FastQuantity or Quantity, got {quantity!r}"
             )
         self.quantities.append(quantity)
+        if quantity.NEEDS_CALLS and self._capture is None:
+            self._capture = Capture(self.params)  # from the next forward pass on
 
     def create_graph(self, global_step):
         """Whether ``loss.backward`` must keep the graph at ``global_step``."""
@@ -464,7 +466,11 @@ def _check_sums(ctx, forms, hooked):
 
 
 def _check_curvature_support(capture, extensions, requested_by):
-    """A BackPACK curvature on a module BackPACK cannot handle: a clear error before the backward."""
+    """A BackPACK curvature on a module BackPACK cannot handle: a clear error before the backward
+    (where the cockpit watches the calls: a user's extension beside quantities that need none
+    meets BackPACK's own error)."""
+    if capture is None:
+        return
     for ext in extensions:
         if ext.savefield not in CURVATURE_EXTENSIONS:
             continue

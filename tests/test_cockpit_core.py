@@ -362,3 +362,15 @@ def test_all_lists_the_quantities_as_cockpit_does():
     for name in fast_quantities.__all__:
         assert isinstance(getattr(fast_quantities, name)(fast_schedules.linear(1)), fast_quantities.FastQuantity)
     assert {"FastQuantity", "Quantity", "NoAdaptation", "GradAbsMax", "ParamAbsMax"} <= set(vars(fast_quantities))
+
+
+def test_quantities_without_per_sample_statistics_leave_the_forward_pass_alone():
+    from torch.nn.modules import module as torch_module
+
+    model = torch.nn.Linear(3, 2)
+    before = len(torch_module._global_forward_hooks)
+    cheap = [getattr(fast_quantities, name)(fast_schedules.linear(1)) for name in ("Loss", "GradNorm", "Distance", "UpdateSize", "Time", "Parameters")]
+    cp = FastCockpit(model.parameters(), quantities=cheap)
+    assert len(torch_module._global_forward_hooks) == before
+    cp.add(fast_quantities.NormTest(fast_schedules.linear(1)))  # watches the calls from now on
+    assert len(torch_module._global_forward_hooks) == before + 1

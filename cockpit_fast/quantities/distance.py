@@ -10,6 +10,7 @@ class Distance(FastQuantity):
     The parameters are copied at step 0, whatever the schedule; step 0 must be tracked.
     """
 
+    NEEDS_CALLS = False
     READS_BATCH = False  # parameters and time are the same in every process
 
     INIT_GLOBAL_STEP = 0

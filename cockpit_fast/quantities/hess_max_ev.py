@@ -21,6 +21,7 @@ class HessMaxEV(FastQuantity):
             Lanczos ``eigsh`` through host transfers.
     """
 
+    NEEDS_CALLS = False
     RUNS_AFTER_CLEANUP = True
     MAX_ITERATIONS = 100
     RTOL = 1e-3

@@ -9,5 +9,7 @@ class Loss(FastQuantity):
     A NaN loss is warned about by the cockpit on every tracked step, whatever it tracks.
     """
 
+    NEEDS_CALLS = False
+
     def _compute(self, ctx):
         return ctx.loss(self)

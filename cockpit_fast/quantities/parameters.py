@@ -6,6 +6,7 @@ from cockpit_fast.quantities.quantity import FastQuantity
 class Parameters(FastQuantity):
     """Tracks the values of every parameter, as nested lists (one per parameter)."""
 
+    NEEDS_CALLS = False
     READS_BATCH = False  # parameters and time are the same in every process
 
     def _compute(self, ctx):

@@ -35,6 +35,11 @@ class FastQuantity:
     """Whether it reads the mini-batch (statistics, gradient, loss, curvature): under
     ``torch.distributed`` the steps it computes on combine every process's batch."""
 
+    NEEDS_CALLS = True
+    """Whether it may read per-sample statistics or BackPACK's curvatures, both of which need
+    the module calls of the forward pass: the cockpit watches its forward passes (which costs
+    every module call a little) only if one of its quantities does."""
+
     def __init__(self, track_schedule, verbose=False):
         self._track_schedule = track_schedule
         self._verbose = verbose

@@ -16,6 +16,7 @@ class UpdateSize(FastQuantity):
     Parameters are copied at every scheduled step t and compared at step t + 1.
     """
 
+    NEEDS_CALLS = False
     READS_BATCH = False  # parameters and time are the same in every process
 
     def __init__(self, track_schedule, verbose=False):
