@@ -25,6 +25,7 @@
 #include "cockpit_fast/entry.h"
 #include "parallel.h"
 #include "private_histograms.h"
+#include "simd.h"
 
 namespace cockpit_fast {
 namespace {
@@ -87,6 +88,21 @@ class RowCounter {
   // Adds the bins of u * values[j], j < len, one by one (NaN goes to the discard slot).
   void count_each(scalar_t u, const scalar_t* values, int64_t len, int64_t* counts) const {
     for (int64_t j = 0; j < len; ++j) ++counts[slot(u, values[j])];
+  }
+
+  // count_each for a whole row, vectorised: the slots of a batch of products at once, then
+  // counted over the thread's interleaved copies (products in one bin do not wait on one
+  // counter), as hist1d counts the formed products.
+  void count_row(scalar_t u, const scalar_t* values, int64_t len, SlotCounter& thread) const {
+    for (int64_t start = 0; start < len; start += kSlotBatch) {
+      const int64_t batch = std::min(kSlotBatch, len - start);
+      if (bins_.inverse_span != acc_t(0)) {
+        outer_hist1d_slots<true>(u, values + start, batch, scale_, bins_, thread.slots());
+      } else {
+        outer_hist1d_slots<false>(u, values + start, batch, scale_, bins_, thread.slots());
+      }
+      thread.count(batch);
+    }
   }
 
   // For u == 0: the `finite` finite values among them all land in the bin of ±0.
@@ -245,7 +261,7 @@ void outer_hist1d_kernel(const at::Tensor& left, const at::Tensor& right, int64_
         } else if (sort) {
           counter.count_sorted(u[i], sorted.data(), len, mine);
         } else {
-          counter.count_each(u[i], v, q, mine);
+          counter.count_row(u[i], v, q, thread);
         }
       }
     }

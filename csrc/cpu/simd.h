@@ -32,6 +32,16 @@ COCKPIT_FAST_SIMD_CLONES void hist1d_slots(const scalar_t* x, int64_t len, acc_t
   }
 }
 
+// hist1d slots of scale * (u * v[j]) for j in [0, len): one row of a per-sample outer product,
+// each element rounded as the formed product would be.
+template <bool kMultiply, typename scalar_t, typename acc_t>
+COCKPIT_FAST_SIMD_CLONES void outer_hist1d_slots(scalar_t u, const scalar_t* v, int64_t len, acc_t scale,
+                                                 Hist1dBins<acc_t> b, int32_t* slots) {
+  for (int64_t j = 0; j < len; ++j) {
+    slots[j] = hist1d_slot<kMultiply>(scale * static_cast<acc_t>(outer_element(u, v[j])), b);
+  }
+}
+
 // hist2d slots of the pairs (scale * x[j], column j) for j in [0, len), given each column's y
 // bin (-1 for NaN).
 template <typename scalar_t, typename acc_t>
