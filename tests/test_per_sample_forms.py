@@ -227,10 +227,9 @@ def test_convolutions_take_the_cheaper_form():
         loss.backward()
         return capture.disarm()[0][id(layer.weight)]
 
-    # Many positions and channels: a grouped convolution's weight gradient.
-    assert isinstance(form_of(nn.Conv2d(8, 4, 3, padding=1), torch.randn(2, 8, 16, 16)), ConvGrads)
-    # Few input channels, or few positions: the unfolded input's factors.
-    assert isinstance(form_of(nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 16, 16)), FactoredGrads)
+    # Many positions: a grouped convolution's weight gradient, no unfolded input of every sample.
+    assert isinstance(form_of(nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 16, 16)), ConvGrads)
+    # Few positions: factors smaller than the gradients.
     assert isinstance(form_of(nn.Conv2d(64, 8, 3), torch.randn(2, 64, 3, 3)), FactoredGrads)
 
 

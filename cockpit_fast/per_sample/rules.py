@@ -80,20 +80,14 @@ def _padded_input(module, x):
     return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
 
 
-FEW_INPUT_CHANNELS = 8
-"""Below this many input channels (per group) a convolution's per-sample gradients come faster
-from its unfolded input than from a convolution with a group per sample (on this project's CPU,
-N = 64 over 32 x 32: 3 channels 2.1 against 3.7 ms, 16 channels 3.4 against 2.6 ms)."""
-
-
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def convolution(module, inputs, output_grad):
     x = _padded_input(module, inputs[0])
-    channels = module.in_channels // module.groups
+    kernel_size = module.in_channels // module.groups * math.prod(module.kernel_size)
     positions = math.prod(output_grad.shape[2:])
-    if module.groups == 1 and (
-        channels < FEW_INPUT_CHANNELS or factors_pay(positions, module.out_channels, channels * math.prod(module.kernel_size))
-    ):
+    # Factors only where they are smaller than the gradients: over many positions the unfolded
+    # input of every sample would take prod(kernel) times the input's memory.
+    if module.groups == 1 and factors_pay(positions, module.out_channels, kernel_size):
         columns = _unfolded(x, module.kernel_size, module.dilation, module.stride)
         grad = FactoredGrads(output_grad.flatten(2).transpose(1, 2), columns.transpose(1, 2), module.weight.shape)
     else:
