@@ -298,6 +298,19 @@ class StepContext:
         """Whether the user handed in the ``info`` entry ``name``."""
         return name in self._info
 
+    def given(self, name):
+        """The ``info`` entry ``name``, or None where the user did not hand it in."""
+        return self._info.get(name)
+
+    def given_batch_size(self):
+        """The batch size ``info`` tells: ``info['batch_size']``, else the length of
+        ``info['individual_losses']``; None where it tells neither."""
+        if self.has_info("batch_size"):
+            return int(self._info["batch_size"])
+        if self.has_info("individual_losses"):
+            return int(self._info["individual_losses"].numel())
+        return None
+
     def replace_info(self, **entries):
         """Replace ``info`` entries by their values for the global batch."""
         self._info = {**self._info, **entries}

@@ -319,18 +319,17 @@ class _TrackedBackward:
         # weight-gradient product per layer.
         self._check_sums = bool(ctx.requests) and not cockpit._checked
         _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
-        # The engine's own backward passes before the user's keep what BackPACK stored in the
-        # forward pass (each backward pass frees it unless told to retain it).
-        with backpack(retain_graph=True):
-            if self._check_sums:
-                _check_mean_loss(ctx)
-                if ctx.has_info("loss"):
-                    refuse_reentrant_checkpoints(ctx.info("loss", None))
-                cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
-                cockpit._checked = True
-            if ctx.requests:
-                self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
         if ctx.requests:
+            # The engine's own backward passes before the user's keep what BackPACK stored in
+            # the forward pass (each backward pass frees it unless told to retain it).
+            with backpack(retain_graph=True):
+                if self._check_sums:
+                    _check_mean_loss(ctx)
+                    if ctx.has_info("loss"):
+                        refuse_reentrant_checkpoints(ctx.info("loss", None))
+                    cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
+                    cockpit._checked = True
+                self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
             cockpit._capture.arm()
         if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
             keep_graph = cockpit.create_graph(ctx.global_step)
@@ -369,19 +368,10 @@ def _record_visited(ctx):
     return record
 
 
-def _batch_size(ctx):
-    """The step's number of samples, where ``info`` tells it."""
-    if ctx.has_info("batch_size"):
-        return ctx.info("batch_size", None)
-    if ctx.has_info("individual_losses"):
-        return len(ctx.info("individual_losses", None))
-    return None
-
-
 def _modules_mixing_samples(capture, ctx):
     """The modules of calls whose samples the engine cannot tell apart (:func:`mixed_calls`),
     found with every sample's own loss where the user hands them in."""
-    losses = ctx.info("individual_losses", None) if ctx.has_info("individual_losses") else None
+    losses = ctx.given("individual_losses")
     params = [p for p in ctx.params if p.requires_grad]
     if losses is None or losses.grad_fn is None or capture.mixing:
         return []
@@ -394,7 +384,7 @@ def _whole_graph_forms(capture, ctx, mixed_modules):
     training mode), those of calls that cannot be replayed (random ops), do not hold the
     batch's samples along their first dimension or are shared by every sample
     (``mixed_modules``), and those no call captured."""
-    n = _batch_size(ctx)
+    n = ctx.given_batch_size()
     covered, inexact = set(), set()
     for call in capture.calls():
         ids = {id(p) for p in call.params.values()}
@@ -418,7 +408,7 @@ def _whole_graph_forms(capture, ctx, mixed_modules):
         needed, why = tracked - covered, "no module call captured them (used before the cockpit was made?)"
     if not needed:
         return {}
-    losses = ctx.info("individual_losses", None) if ctx.has_info("individual_losses") else None
+    losses = ctx.given("individual_losses")
     if losses is None or losses.grad_fn is None:
         if needed <= tracked - covered:  # unused parameters: per_param() says so
             return {}

@@ -221,10 +221,9 @@ def _local_batch_size(ctx):
     of ``info['individual_losses']``."""
     if ctx.local_batch_size is not None:
         return int(ctx.local_batch_size)
-    if ctx.has_info("batch_size"):
-        return int(ctx.info("batch_size", _REDUCTION))
-    if ctx.has_info("individual_losses"):
-        return int(ctx.info("individual_losses", _REDUCTION).numel())
+    given = ctx.given_batch_size()
+    if given is not None:
+        return given
     raise ValueError(
         "Under torch.distributed the cockpit weighs each process by its batch size: hand it in via "
         "cockpit(..., info={'batch_size': ...})"
