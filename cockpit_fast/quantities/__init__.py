@@ -7,6 +7,7 @@ from cockpit_fast.quantities.distance import Distance
 from cockpit_fast.quantities.early_stopping import EarlyStopping
 from cockpit_fast.quantities.grad_hist_1d import GradHist1d
 from cockpit_fast.quantities.grad_hist_2d import GradHist2d
+from cockpit_fast.quantities.grad_noise_scale import GradNoiseScale
 from cockpit_fast.quantities.grad_norm import GradNorm
 from cockpit_fast.quantities.hess_max_ev import HessMaxEV
 from cockpit_fast.quantities.hess_trace import HessTrace
@@ -22,7 +23,7 @@ from cockpit_fast.quantities.tic_trace import TICTrace
 from cockpit_fast.quantities.time import Time
 from cockpit_fast.quantities.update_size import UpdateSize
 
-# The 19 quantities, as Cockpit lists them; the base classes and the bin adaptations stay importable here.
+# Cockpit's 19 quantities in its order, then ours; the base classes and the bin adaptations stay importable here.
 __all__ = [
     "Loss",
     "Parameters",
@@ -43,4 +44,5 @@ __all__ = [
     "TICDiag",
     "TICTrace",
     "MeanGSNR",
+    "GradNoiseScale",
 ]

@@ -1,0 +1,93 @@
+"""Gradient noise scale (McCandlish et al., 2018)."""
+
+import numbers
+import warnings
+
+import torch
+
+from cockpit_fast._step import BATCH_L2
+from cockpit_fast.quantities.quantity import FastQuantity
+
+
+class GradNoiseScale(FastQuantity):
+    """Tracks the simple gradient noise scale B_simple = tr(Σ) / |G|² of McCandlish et al. (2018),
+    "An Empirical Model of Large-Batch Training" (appendix A.1, with batch sizes 1 and N).
+
+    With N individual gradients g_n (each sample's own loss) and their mean ḡ (the gradient of
+    the mean loss), the unbiased estimates
+    ``trace_sigma = sum_n |g_n − ḡ|² / (N − 1) = (sum_n |g_n|² − N |ḡ|²) / (N − 1)`` of tr(Σ) and
+    ``grad_sq = |ḡ|² − trace_sigma / N`` of |G|², and ``b_simple = trace_sigma / grad_sq``: from
+    the per-sample squared norms (``BATCH_L2``) and the mini-batch gradient, no other per-sample
+    pass. Under ``torch.distributed`` they are those of the global batch.
+
+    The output of a tracked step is a dict: ``trace_sigma``, ``grad_sq``, ``b_simple``; the same
+    per tracked parameter, in parameter order (``trace_sigma_per_param``, ``grad_sq_per_param``,
+    ``b_simple_per_param``: they add up to the totals, the ratios do not); and the smoothed
+    ``trace_sigma_ema``, ``grad_sq_ema`` and ``b_simple_ema``, carried across tracked steps.
+
+    ``grad_sq`` is negative when the noise outweighs the mean gradient in this batch, and so is
+    ``b_simple``; hence the two estimates are smoothed separately before their ratio is taken
+    (as nanoGNS and gns-pytorch do): exponential moving averages started at zero and divided by
+    ``1 − decay^t`` after the t-th tracked step, Adam's bias correction of its moments (the first
+    step's EMA is that step's value). The correction cancels in ``b_simple_ema``, the ratio of
+    the two averages, and matters only for the averages themselves.
+
+    A step with one sample has no variance estimate: it is skipped (nothing is stored, the
+    averages are left as they are) with a warning the first time, so that neither the log nor the
+    averages of the later steps carry a NaN.
+
+    Args:
+        track_schedule (callable): When to track.
+        verbose (bool, optional): Print what is tracked. Defaults to ``False``.
+        decay (float, optional): Weight of the past in the moving averages, in [0, 1); 0 keeps
+            each step's own estimates. Defaults to 0.9.
+    """
+
+    def __init__(self, track_schedule, verbose=False, decay=0.9):
+        super().__init__(track_schedule, verbose=verbose)
+        if isinstance(decay, bool) or not isinstance(decay, numbers.Real):
+            raise TypeError(f"GradNoiseScale: decay must be a real number, got {type(decay).__name__}")
+        if not 0 <= decay < 1:
+            raise ValueError(f"GradNoiseScale: decay must be in [0, 1), got {decay}")
+        self._decay = float(decay)
+        self._ema_trace_sigma = 0.0
+        self._ema_grad_sq = 0.0
+        self._ema_steps = 0
+        self._warned_single_sample = False
+
+    def statistics(self, ctx):
+        return {BATCH_L2} if self.should_compute(ctx.global_step) else set()
+
+    def _compute(self, ctx):
+        batch_l2 = torch.stack(ctx.per_param(BATCH_L2))  # (P, N): ||∇ℓ_n / N||² per parameter
+        n = batch_l2.shape[1]
+        if n < 2:
+            if not self._warned_single_sample:
+                warnings.warn(
+                    "GradNoiseScale needs at least 2 samples to estimate the gradient's variance: "
+                    f"steps with 1 sample are skipped (first at step {ctx.global_step})"
+                )
+                self._warned_single_sample = True
+            return None
+        mean_sq = torch.stack([(g**2).sum() for g in ctx.grads()])  # |ḡ|² per parameter
+        trace_sigma = (n**2 * batch_l2.sum(1) - n * mean_sq) / (n - 1)
+        grad_sq = mean_sq - trace_sigma / n
+        total_trace_sigma, total_grad_sq = trace_sigma.sum(), grad_sq.sum()
+
+        self._ema_steps += 1
+        self._ema_trace_sigma = self._decay * self._ema_trace_sigma + (1 - self._decay) * total_trace_sigma
+        self._ema_grad_sq = self._decay * self._ema_grad_sq + (1 - self._decay) * total_grad_sq
+        bias_correction = 1 - self._decay**self._ema_steps
+        trace_sigma_ema = self._ema_trace_sigma / bias_correction
+        grad_sq_ema = self._ema_grad_sq / bias_correction
+        return {
+            "trace_sigma": total_trace_sigma,
+            "grad_sq": total_grad_sq,
+            "b_simple": total_trace_sigma / total_grad_sq,
+            "trace_sigma_per_param": list(trace_sigma),
+            "grad_sq_per_param": list(grad_sq),
+            "b_simple_per_param": list(trace_sigma / grad_sq),
+            "trace_sigma_ema": trace_sigma_ema,
+            "grad_sq_ema": grad_sq_ema,
+            "b_simple_ema": trace_sigma_ema / grad_sq_ema,
+        }
