@@ -1,4 +1,4 @@
-"""The argument rules of every op, applied before any kernel runs.
+"""The argument rules of every op, applied before any kernel runs, and of a cockpit's ``info``.
 
 The wrappers in :mod:`cockpit_fast.ops`, the pure-torch twins in :mod:`cockpit_fast.reference`
 and the fake kernels call the same normaliser (``<op>_args``), so every path accepts the same
@@ -10,17 +10,26 @@ arguments and rejects the others with the same ``ValueError``, naming the op and
   tensor, never a bool;
 * a pair (a range, 2D bins) is a tuple or list of two; ``p_values`` a tuple or list of numbers.
 
+The checks compare the numbers themselves: a number that ``torch.compile(dynamic=True)`` makes
+symbolic is specialised to its value (a guard; a new value recompiles), as the ops' schemas,
+whose numbers are plain floats and ints, specialise it anyway.
+
 The C++ ops repeat the value checks with ``TORCH_CHECK_VALUE`` (csrc/include/cockpit_fast/checks.h)
 for direct ``torch.ops.cockpit_fast`` calls, whose argument types the op schemas fix; the limits
 they share are written once, in :mod:`cockpit_fast._limits`.
+
+:func:`check_info` checks what a user hands to ``cockpit(global_step, info=...)`` when the step
+starts, before any quantity reads it.
 """
 
 import math
 import numbers
 import operator
 import struct
+from collections.abc import Mapping
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from cockpit_fast._limits import MAX_BINS, MAX_P_VALUES
 
@@ -44,13 +53,20 @@ def _is_0d_tensor(value, kinds):
     )
 
 
+def _as_integer(value):
+    """``value`` as an int if it is a Python or NumPy integer or a 0-d integer tensor (never a
+    bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and not _is_0d_tensor(value, "integer")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def as_count(op, value, name):
     """``value`` as a positive int (see the module's rules)."""
-    integer = not isinstance(value, (bool, torch.Tensor)) or _is_0d_tensor(value, "integer")
-    try:
-        count = operator.index(value) if integer else None
-    except TypeError:
-        count = None
+    count = _as_integer(value)
     if count is None or count <= 0:
         raise ValueError(f"cockpit_fast.{op}: {name} must be a positive integer, got {value!r}")
     return count
@@ -60,7 +76,7 @@ def as_number(op, value, name):
     """``value`` as a float (see the module's rules)."""
     if isinstance(value, bool) or not (isinstance(value, numbers.Real) or _is_0d_tensor(value, "real")):
         raise ValueError(f"cockpit_fast.{op}: {name} must be a real number, got {value!r}")
-    return float(value)
+    return guard_scalar(float(value))  # under Dynamo, float() of a symbolic number stays symbolic
 
 
 def as_pair(op, value, name, what):
@@ -260,3 +276,68 @@ def outer_hist2d_args(left, right, param, bins, range, scale):
             f"{expected}, got {tuple(param.shape)}"
         )
     return (*binning_2d("outer_hist2d", bins, range, left.dtype), scale)
+
+
+def _given(value):
+    """What a user handed in, for an error message: its type, and its value where that is short."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    kind = type(value).__qualname__
+    if type(value).__module__ != "builtins":
+        kind = f"{type(value).__module__}.{kind}"
+    return f"{kind} {value!r}" if isinstance(value, (numbers.Number, str)) else kind
+
+
+def _check_info_tensor(info, name, what, shape, fits):
+    """``info[name]``, where handed in, must be a tensor holding ``what``, of a ``shape`` it ``fits``."""
+    if name not in info:
+        return
+    value = info[name]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"info['{name}'] must be {what} as a tensor, got {_given(value)}")
+    if not fits(value):
+        raise ValueError(f"info['{name}'] must be {what}, a tensor of {shape}, got {_given(value)}")
+
+
+def check_info(info):
+    """The ``info`` of ``cockpit(global_step, info=...)``: ``None`` or a dict whose entries the
+    quantities read have the types they read. Entries of other names are left to the user's own
+    quantities.
+
+    * ``loss``: the mini-batch loss, a tensor of one element (0-d or not);
+    * ``batch_size``: a Python or NumPy integer or a 0-d integer tensor, at least 0;
+    * ``individual_losses``: every sample's loss, a tensor of shape (N,) or (N, 1);
+    * ``optimizer``: a ``torch.optim.Optimizer``.
+
+    Raises:
+        TypeError: If ``info`` or one of these entries has another type.
+        ValueError: If one of these entries has another shape or a negative batch size.
+    """
+    if info is None:
+        return
+    if not isinstance(info, Mapping):
+        raise TypeError(
+            "info must be a dict with entries such as 'loss', 'individual_losses', 'batch_size' and "
+            f"'optimizer', got {_given(info)}"
+        )
+    _check_info_tensor(
+        info, "loss", "the scalar mini-batch loss (the one backward() is called on)", "one element",
+        lambda loss: loss.numel() == 1,
+    )
+    if "batch_size" in info:
+        batch_size = _as_integer(info["batch_size"])
+        if batch_size is None:
+            raise TypeError(
+                "info['batch_size'] must be an integer (int, NumPy integer or 0-d integer tensor), "
+                f"got {_given(info['batch_size'])}"
+            )
+        if batch_size < 0:
+            raise ValueError(f"info['batch_size'] must be at least 0, got {batch_size}")
+    _check_info_tensor(
+        info, "individual_losses", "every sample's loss (the loss function with reduction='none')",
+        "shape (N,) or (N, 1)", lambda losses: losses.dim() == 1 or (losses.dim() == 2 and losses.shape[1] == 1),
+    )
+    if "optimizer" in info and not isinstance(info["optimizer"], torch.optim.Optimizer):
+        raise TypeError(f"info['optimizer'] must be a torch.optim.Optimizer, got {_given(info['optimizer'])}")

@@ -1,8 +1,9 @@
 """Command line of cockpit_fast: ``cockpit-fast`` (or ``python -m cockpit_fast``) ``{demo,plot,bench,info}``.
 
 Every error is one line on stderr, ``<command>: error: <what>``, never a traceback: exit code 2
-for bad options (a missing log, CUDA asked for without a GPU), 1 for what the machine lacks (a
-package that is not installed, the benchmarks outside a source checkout) or a failed benchmark.
+for bad options (a missing or malformed log, an output that cannot be written, CUDA asked for
+without a GPU), 1 for what the machine lacks (a package that is not installed, the benchmarks
+outside a source checkout), a failed benchmark or any other file-system error.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from cockpit_fast._optional import MissingDependency, require
 REPOSITORY = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = REPOSITORY / "benchmarks"  # present in a repository checkout only
 BENCHMARKS = ("bench_ops.py", "bench_step.py", "bench_gradient_metrics.py")
+DESCRIPTION = "The command line of cockpit_fast: a demo run, the dashboard of a log, benchmarks, versions."
 CONFIGURATIONS = ("economy", "business", "full")
 DEFAULT_EPOCHS = 8
 DEMO_DESCRIPTION = """\
@@ -70,6 +72,12 @@ def _int_at_least(text, least, expected):
     return value
 
 
+def os_error_reason(error, with_file=False):
+    """An ``OSError``'s reason without errno's number, and the file it names if ``with_file``."""
+    reason = error.strerror or str(error)
+    return f"{reason}: {error.filename}" if with_file and error.filename is not None else reason
+
+
 def default_run_folder():
     """``runs/demo-<timestamp>``, so that runs do not overwrite each other."""
     from datetime import datetime
@@ -79,7 +87,7 @@ def default_run_folder():
 
 def build_parser(prog="cockpit-fast"):
     """The parser of all commands and their options."""
-    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"cockpit_fast {__version__}")
     commands = parser.add_subparsers(
         dest="command",
@@ -171,17 +179,23 @@ def run_plot(args, parser):
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     except OSError as error:
-        parser.error(f"cannot write {output}: {error}")
+        parser.error(f"cannot write {output}: {os_error_reason(error)}")
     plotter = CockpitPlotter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             plotter.plot(args.log, show_plot=False)
-        except (ValueError, TypeError, AttributeError, KeyError) as error:  # json's errors are ValueErrors
+        except OSError as error:
+            parser.error(f"cannot read the log {args.log}: {os_error_reason(error)}")
+        # What a malformed log raises (json's errors are ValueErrors).
+        except (ValueError, TypeError, AttributeError, LookupError, ArithmeticError) as error:
             parser.error(f"cannot read the log {args.log}: {error}")
     for warning in caught:
         parser.warn(str(warning.message))
-    plotter.save_figure(plotter.fig, output, format=image_format)
+    try:
+        plotter.save_figure(plotter.fig, output, format=image_format)
+    except OSError as error:
+        parser.error(f"cannot write {output}: {os_error_reason(error)}")
     print(f"Dashboard saved in {output}")
     return 0
 
@@ -250,3 +264,5 @@ def main(argv=None, prog="cockpit-fast"):
         return COMMANDS[args.command](args, parser)
     except MissingDependency as error:
         parser.fail(str(error))
+    except OSError as error:  # the file system's other refusals (a full disk, a file where a folder goes)
+        parser.fail(os_error_reason(error, with_file=True))

@@ -77,6 +77,7 @@ def has_cuda_kernels():
     )
 
 
+@torch.compiler.assume_constant_result  # under torch.compile it runs (and warns) as in eager
 def _use_reference():
     global _warned
     if _OPS is not None:

@@ -58,7 +58,7 @@ install_missing "$TORCH_SPEC" numpy ninja
 # core never imports it, so the originals go in without their declared dependencies.
 install_missing --no-deps backpack-for-pytorch==1.7.1 cockpit-for-pytorch==1.0.2 gradient-metrics==0.5.0
 # BackPACK's and Cockpit's own dependencies, the demo's (extra demo) and the tests' (extra test).
-install_missing einops unfoldNd json_tricks pandas scipy seaborn matplotlib scikit-learn tqdm tensorboard pytest transformers
+install_missing einops unfoldNd json_tricks pandas scipy seaborn matplotlib scikit-learn tqdm tensorboard pytest transformers peft
 
 # The build is current when the sources, the torch it was built against and the build flags are
 # the same as at the last successful build of this venv (recorded in $STAMP), and it imports.
@@ -79,10 +79,14 @@ else
   echo "== building cockpit_fast's C++ extension (CPU kernels) and installing it in editable mode"
   echo "   compiling $(find csrc -name '*.cpp' | wc -l) files; this takes a few minutes"
   log=$(mktemp)
-  # pip -v streams ninja's "[k/n] ... -c <source>" lines: one line per file as it is compiled.
+  # pip -v streams the build's output, indented: ninja prints "[k/n] <compiler command> -c <source> ..."
+  # as each file finishes and setuptools "<c++> ... -shared ... -o <library>" as it links. Shown: one
+  # line each, sources relative to here; the whole output goes to $log.
   if ! FORCE_ONLY_CPU=1 MAX_JOBS=${MAX_JOBS:-2} PYTHONUNBUFFERED=1 "$PY" -m pip install \
       --disable-pip-version-check -v --no-build-isolation --no-deps -e . < /dev/null 2>&1 |
-      tee "$log" | sed -unE "s|^\[([0-9]+/[0-9]+)\] .* -c ([^ ]+) .*|   [\1] \2|p"; then
+      tee "$log" | sed -unE \
+        -e "s|^ *\[([0-9]+/[0-9]+)\] .* -c ([^ ]+) .*|   compiled [\1] \2|p" \
+        -e "s|^ *[^ ]*[+][+] (.* )?-shared .* -o ([^ ]*/)?([^ /]+).*|   linking \3|p" | sed -u "s|$PWD/||"; then
     tail -40 "$log" >&2
     echo "setup.sh: building cockpit_fast failed (the output's end is above; all of it in $log)" >&2
     exit 1

@@ -90,19 +90,45 @@ def test_tensors_past_two_to_the_31_elements():
     torch.testing.assert_close(row_stats[:, stats.P0].double(), expected_l2, rtol=1e-5, atol=0)
 
 
-def every_op_with_scale(g, param, scale):
-    """Every op on (g, param) and on the factors (g, param) with ``scale``."""
+def every_op_with_scale(g, param, scale, bins=6, lo=-1.0, hi=1.0):
+    """Every op on (g, param) and on the factors (g, g) with ``scale``: 1D histograms of ``5 * bins``
+    bins over (lo, hi), 2D ones of (bins, bins + 1) over (lo, hi) and (2 lo, 2 hi); p values 1 and hi."""
+    xy_range = ((lo, hi), (2 * lo, 2 * hi))
     return {
         "batch_l2": lambda m: m.batch_l2(g, scale),
         "sum_grad_squared": lambda m: m.sum_grad_squared(g, scale),
         "batch_l2_and_sum_grad_squared": lambda m: m.batch_l2_and_sum_grad_squared(g, scale),
-        "hist1d": lambda m: m.hist1d(g, 30, (-1.0, 1.0), scale),
-        "hist2d": lambda m: m.hist2d(g, param, (6, 7), ((-1.0, 1.0), (-2.0, 2.0)), scale),
+        "hist1d": lambda m: m.hist1d(g, 5 * bins, (lo, hi), scale),
+        "hist2d": lambda m: m.hist2d(g, param, (bins, bins + 1), xy_range, scale),
         "batch_dot": lambda m: m.batch_dot(g, param, scale),
-        "per_sample_stats": lambda m: m.per_sample_stats(g, scale, [1.0]),
-        "outer_hist1d": lambda m: m.outer_hist1d(g, g, 30, (-1.0, 1.0), scale),
-        "outer_hist2d": lambda m: m.outer_hist2d(g, g, param.expand(2, 2).contiguous(), (6, 7), ((-1.0, 1.0), (-2.0, 2.0)), scale),
+        "per_sample_stats": lambda m: m.per_sample_stats(g, scale, [1.0, hi]),
+        "outer_hist1d": lambda m: m.outer_hist1d(g, g, 5 * bins, (lo, hi), scale),
+        "outer_hist2d": lambda m: m.outer_hist2d(g, g, param.expand(2, 2).contiguous(), (bins, bins + 1), xy_range, scale),
     }
+
+
+@pytest.mark.parametrize("route", ["extension", "reference"])
+def test_every_op_compiles_with_dynamic_numbers_and_shapes(route, monkeypatch):
+    """torch.compile(dynamic=True) makes the numbers and the batch size symbolic: the argument
+    checks specialise the numbers they compare, and every wrapper traces whole and gives its eager
+    result, for two batch sizes and two sets of numbers."""
+    if route == "reference":
+        monkeypatch.setattr(ops, "_OPS", None)
+        monkeypatch.setattr(ops, "_warned", True)  # the fallback's warning has its own test
+    for name in every_op_with_scale(None, None, 1.0):
+        # Forget earlier compilations: the route is a constant of compiled code, and every op
+        # recompiles for new numbers.
+        torch._dynamo.reset()
+
+        def op(g, param, scale, bins, lo, hi, name=name):
+            return every_op_with_scale(g, param, scale, bins, lo, hi)[name](ops)
+
+        compiled = torch.compile(op, fullgraph=True, dynamic=True, backend="aot_eager")
+        for n, numbers in ((4, (2.0, 6, -1.0, 1.0)), (7, (3.5, 4, -0.5, 1.5))):
+            g, param = random_grad(n, (2,), seed=n), random_param((2,))
+            expected = torch.utils._pytree.tree_leaves(op(g, param, *numbers))
+            got = torch.utils._pytree.tree_leaves(compiled(g, param, *numbers))
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (name, n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""Diagonal curvature extensions that HessTrace and the TIC quantities can use."""
+"""Diagonal curvature extensions that HessTrace and the TIC quantities can use, and their results."""
 
 from backpack import extensions
 
@@ -20,3 +20,20 @@ def curvature_extension(name):
     """A fresh BackPACK extension computing the diagonal curvature ``name``."""
     return CURVATURE_EXTENSIONS[name]()
 
+
+def diagonal_curvature(ctx, name, quantity):
+    """The diagonal curvature ``name`` of every tracked parameter that BackPACK computed for
+    ``quantity`` in this step's backward pass.
+
+    Raises:
+        ValueError: If BackPACK did not compute it: its extensions run only through the modules
+            and the loss function that ``backpack.extend`` prepared.
+    """
+    try:
+        return ctx.curvature(name)
+    except AttributeError:  # BackPACK writes its results as attributes of the parameters
+        raise ValueError(
+            f"{type(quantity).__name__} needs BackPACK's {CURVATURE_EXTENSIONS[name].__name__} ('{name}'), "
+            "which BackPACK did not compute for the tracked parameters: call backpack.extend(model) and "
+            "backpack.extend(loss_fn) (the loss function the mini-batch loss comes from) before training"
+        ) from None

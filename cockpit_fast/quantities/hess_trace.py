@@ -1,6 +1,6 @@
 """Trace of the Hessian or of a diagonal approximation to it."""
 
-from cockpit_fast.quantities._curvature import check_curvature, curvature_extension
+from cockpit_fast.quantities._curvature import check_curvature, curvature_extension, diagonal_curvature
 from cockpit_fast.quantities.quantity import FastQuantity
 
 
@@ -25,4 +25,4 @@ class HessTrace(FastQuantity):
         return [curvature_extension(self._curvature)] if self.should_compute(global_step) else []
 
     def _compute(self, ctx):
-        return [diag.sum() for diag in ctx.curvature(self._curvature)]
+        return [diag.sum() for diag in diagonal_curvature(ctx, self._curvature, self)]
