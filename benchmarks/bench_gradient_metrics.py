@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import cockpit_fast  # noqa: E402
 from cockpit_fast.gradient_metrics import GradientMetricCollector  # noqa: E402
 from cockpit_fast.gradient_metrics import metrics as fast  # noqa: E402
-from cockpit_fast.gradient_metrics.per_sample import per_sample_forms  # noqa: E402
 from cockpit_fast.per_sample import Capture  # noqa: E402
 
 BATCH_SIZES = (32, 128, 512)
@@ -124,7 +123,7 @@ def main():
         t_theirs, _ = median_seconds(lambda: theirs(loss, retain_graph=True), repeats, min_seconds)
         t_ours, _ = median_seconds(lambda: ours(loss, retain_graph=True), 5 * repeats, min_seconds)
         print(f"{n:>5} {1e3 * t_theirs:>22.2f} {1e3 * t_ours:>18.2f} {t_theirs / t_ours:>8.1f}x")
-        rows.append((n, per_sample_gradient_times(model, x, y, ours._capture, loss, repeats, min_seconds)))
+        rows.append((n, per_sample_gradient_times(model, x, y, ours._engine, loss, repeats, min_seconds)))
     print("\nper-sample gradients alone (no metrics), the route above against BackPACK BatchGrad")
     print("(BackPACK needs the model extended before the forward pass, which is timed with it)")
     print(f"{'N':>5} {'engine [ms]':>17} {'identity rows [ms]':>19} {'BackPACK fwd+bwd [ms]':>22}")
@@ -132,10 +131,10 @@ def main():
         print(f"{n:>5} {1e3 * t_route:>17.2f} {1e3 * t_identity:>19.2f} {1e3 * t_backpack:>22.2f}")
 
 
-def per_sample_gradient_times(model, x, y, capture, loss, repeats, min_seconds):
+def per_sample_gradient_times(model, x, y, engine, loss, repeats, min_seconds):
     """Median seconds of: the collector's per-sample gradients, plain identity rows, BackPACK."""
     params = list(model.parameters())
-    t_route, _ = median_seconds(lambda: per_sample_forms(capture, loss, params, True), 5 * repeats, min_seconds)
+    t_route, _ = median_seconds(lambda: engine.per_sample(loss), 5 * repeats, min_seconds)
     identity = torch.eye(len(loss))
     t_identity, _ = median_seconds(
         lambda: torch.autograd.grad(loss, params, identity, retain_graph=True, is_grads_batched=True),

@@ -3,8 +3,7 @@
 import json
 import os
 import warnings
-import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import torch
@@ -13,11 +12,10 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast._step import ROUTES, StepContext, collect_statistics
+from cockpit_fast.statistics import ROUTES, StepContext, collect_statistics
+from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
-from cockpit_fast.per_sample import Capture, whole_graph_grads
-from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints
-from cockpit_fast.per_sample.capture import mixed_calls
+from cockpit_fast.per_sample import Engine
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import FastQuantity, merged_hooks
 
@@ -40,7 +38,8 @@ class Cockpit:
     to track; results are read with :meth:`get_output` and written with :meth:`write`.
 
     Args:
-        params (iterable): Parameters to track; each must require gradients.
+        params (iterable): Parameters to track: those that require gradients (frozen ones are
+            left out, with a warning saying how many).
         quantities (list, optional): :class:`~cockpit_fast.quantities.quantity.FastQuantity`
             instances to track (the built-in quantities, and ones written for Cockpit on
             :class:`~cockpit_fast.quantities.quantity.Quantity`). Defaults to none.
@@ -59,7 +58,7 @@ class Cockpit:
             then writes ``<logpath>_rank<r>.json``. Defaults to ``False``.
 
     Raises:
-        ValueError: If a parameter does not require gradients, or the route is unknown.
+        ValueError: If no parameter requires gradients, or the route is unknown.
     """
 
     BACKPACK_CONV_SAVE_MEMORY = True
@@ -71,25 +70,21 @@ class Cockpit:
     nothing. On a GPU values stay on the device until output is read (no synchronisation)."""
 
     def __init__(self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False):
-        self.params = list(params)
+        self.params = _trainable(params)
         self.process_group = resolve_group(process_group)
         self.log_all_ranks = log_all_ranks
         if per_sample_route not in ROUTES:
             raise ValueError(f"per_sample_route must be one of {ROUTES}, got {per_sample_route!r}")
         self.per_sample_route = per_sample_route
-        for p in self.params:
-            if not p.requires_grad:
-                raise ValueError(f"Got a parameter with requires_grad=False, which cannot be tracked: {p}")
         self.quantities = []
         # Watches the forward passes once a quantity needs their calls (per-sample gradients).
-        self._capture = None
+        self._engine = None
         for q in quantities or []:
             self.add(q)
         self.output = defaultdict(dict)
         self._nan_loss = _NanLossWatch()
         self._steps_since_output = 0
-        self._checked = False  # the first step with per-sample statistics checks the model
-        self._mixed_modules = weakref.WeakSet()  # modules whose samples cannot be told apart
+        self._mean_checked = False  # the first step with per-sample statistics checks info's loss
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -102,8 +97,14 @@ class Cockpit:
                 f"Quantities must be instances of cockpit_fast's FastQuantity or Quantity, got {quantity!r}"
             )
         self.quantities.append(quantity)
-        if quantity.NEEDS_CALLS and self._capture is None:
-            self._capture = Capture(self.params)  # from the next forward pass on
+        if quantity.NEEDS_CALLS and self._engine is None:
+            self._engine = Engine(self.params)  # watches from the next forward pass on
+
+    def routes(self):
+        """``{parameter name: route}``: how the last step with per-sample statistics got each
+        tracked parameter's per-sample gradients (a module's rule, a replay of its call, or the
+        whole graph), to see why a step is slow. Names are those in the model last called."""
+        return {} if self._engine is None else self._engine.routes()
 
     def create_graph(self, global_step):
         """Whether ``loss.backward`` must keep the graph at ``global_step``."""
@@ -119,6 +120,7 @@ class Cockpit:
                 ``batch_size``, ``individual_losses``, ``loss``, ``optimizer``.
             debug (bool, optional): Print what the step computes. Defaults to ``False``.
         """
+        check_info(info)
         for ext in exts:
             if not isinstance(ext, BackpropExtension):
                 raise ValueError(f"*exts must be BackPACK extensions, got {ext!r}")
@@ -192,6 +194,81 @@ class Cockpit:
             for step, value in q.get_output().items():
                 self.output[step][name] = value
         return self.output
+
+    def state_dict(self):
+        """Everything a run restored from a checkpoint needs to go on exactly as if uninterrupted:
+        each quantity's state (``FastQuantity.state_dict``: Distance's start, the step that
+        Alpha and UpdateSize carry, the histograms' adapted ranges, the noise scale's averages,
+        the output so far), what :meth:`log` recorded and the cockpit's own counters.
+
+        A plain dict (key ``"version"``) of plain types and CPU tensors that shares nothing with
+        the model: ``torch.save`` it beside the model's and the optimizer's state dicts, and
+        ``torch.load(..., weights_only=True)`` reads it back. Values waiting on the device are
+        converted to output first. Restore it with :meth:`load_state_dict`.
+        """
+        from cockpit_fast.quantities.quantity import STATE_VERSION, plain_state
+
+        names = [type(q).__name__ for q in self.quantities]
+        nan_first, nan_count = self._nan_loss._first, self._nan_loss._count
+        return {
+            "version": STATE_VERSION,
+            "quantities": names,
+            "param_shapes": [list(p.shape) for p in self.params],
+            "quantity_states": [q.state_dict() for q in self.quantities],
+            # What log() recorded; the quantities' values are in their own states.
+            "log": plain_state(
+                {step: {key: v for key, v in row.items() if key not in names} for step, row in self.output.items()}
+            ),
+            "nan_loss": None if nan_count is None else [nan_first.item(), nan_count.item()],
+            "steps_since_output": self._steps_since_output,
+            "mean_checked": self._mean_checked,
+            "optimizer_name": getattr(self, "_optimizer_name", None),
+        }
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` into this cockpit, made with the same quantities in the same
+        order and parameters of the same shapes; tensors go to the tracked parameters' devices.
+
+        Raises:
+            ValueError: If ``state`` is not a cockpit state dict of this version, or holds other
+                quantities or parameter shapes (nothing is restored then).
+        """
+        from cockpit_fast.quantities.quantity import STATE_VERSION, restored_state
+
+        if not isinstance(state, dict) or "version" not in state:
+            raise ValueError(
+                f"state must be a dict from Cockpit.state_dict() (with a 'version'), got {type(state).__name__}"
+            )
+        if state["version"] != STATE_VERSION:
+            raise ValueError(
+                f"state is a Cockpit state dict of version {state['version']!r}, "
+                f"this cockpit reads version {STATE_VERSION}"
+            )
+        names = [type(q).__name__ for q in self.quantities]
+        if state["quantities"] != names:
+            raise ValueError(
+                f"state holds the quantities {state['quantities']}, this cockpit tracks {names} "
+                "(restore into one made with the same quantities, in the same order)"
+            )
+        shapes = [list(p.shape) for p in self.params]
+        if len(state["param_shapes"]) != len(shapes):
+            raise ValueError(f"state holds {len(state['param_shapes'])} parameters, this cockpit tracks {len(shapes)}")
+        for index, (saved, own) in enumerate(zip(state["param_shapes"], shapes)):
+            if saved != own:
+                raise ValueError(f"parameter {index} has shape {tuple(saved)} in state, {tuple(own)} in this cockpit")
+        for q, q_state in zip(self.quantities, state["quantity_states"]):
+            q.load_state_dict(q_state, self.params)
+        self.output = defaultdict(dict, restored_state(state["log"]))
+        self._nan_loss = _NanLossWatch()
+        if state["nan_loss"] is not None:  # kept on the device, as the watch keeps it
+            device = self.params[0].device
+            first, count = state["nan_loss"]
+            self._nan_loss._first = torch.tensor(first, dtype=torch.long, device=device)
+            self._nan_loss._count = torch.tensor(count, dtype=torch.long, device=device)
+        self._steps_since_output = state["steps_since_output"]
+        self._mean_checked = state["mean_checked"]
+        if state["optimizer_name"] is not None:
+            self._optimizer_name = state["optimizer_name"]
 
     def is_writer(self):
         """Whether this process writes logs: always, but under ``torch.distributed`` rank 0 only
@@ -286,6 +363,12 @@ class _TrackedBackward:
         self._cockpit = cockpit
         self._ctx = ctx
         step = ctx.global_step
+        frozen = [index for index, p in enumerate(cockpit.params) if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"tracked parameters {frozen} were frozen (requires_grad=False) after the cockpit was made: a "
+                "cockpit tracks the parameters it was made with; make a new one for the trainable parameters"
+            )
         for q in cockpit.quantities:
             ctx.requests.update(q.statistics(ctx))
         self._requested_by = {}  # BackPACK extension type -> the quantities asking for it
@@ -314,23 +397,19 @@ class _TrackedBackward:
 
     def __enter__(self):
         cockpit, ctx = self._cockpit, self._ctx
-        # What a model's structure decides is checked on the first step with per-sample
-        # statistics: a sync on a GPU, two more backward passes, and for the sums one more
-        # weight-gradient product per layer.
-        self._check_sums = bool(ctx.requests) and not cockpit._checked
-        _check_curvature_support(cockpit._capture, self._extensions, self._requested_by)
+        _check_curvature_support(cockpit._engine, self._extensions, self._requested_by)
         if ctx.requests:
+            _refuse_earlier_gradients(cockpit.params)
+            losses = ctx.given("individual_losses")
             # The engine's own backward passes before the user's keep what BackPACK stored in
             # the forward pass (each backward pass frees it unless told to retain it).
             with backpack(retain_graph=True):
-                if self._check_sums:
+                _check_batch_size(ctx, cockpit._engine.capture.calls())
+                if not cockpit._mean_checked:
                     _check_mean_loss(ctx)
-                    if ctx.has_info("loss"):
-                        refuse_reentrant_checkpoints(ctx.info("loss", None))
-                    cockpit._mixed_modules.update(_modules_mixing_samples(cockpit._capture, ctx))
-                    cockpit._checked = True
-                self._whole_graph = _whole_graph_forms(cockpit._capture, ctx, cockpit._mixed_modules)
-            cockpit._capture.arm()
+                    cockpit._mean_checked = True
+                scale = 1.0 / losses.numel() if isinstance(losses, torch.Tensor) and losses.numel() else 1.0
+                self._pass = cockpit._engine.begin(losses, scale, ctx.given_batch_size(), ctx.given("loss"))
         if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
             keep_graph = cockpit.create_graph(ctx.global_step)
             self._grads = GradientCapture(cockpit.params, keep_graph, copy=ctx.group is not None)
@@ -341,16 +420,23 @@ class _TrackedBackward:
         cockpit, ctx = self._cockpit, self._ctx
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
-        forms = cockpit._capture.disarm(skip=self._whole_graph)[0] if ctx.requests else {}
         if self._grads is not None:
             self._grads.remove()
             ctx.local_grads = self._grads.grads
+            if self._grads.passes > 1 and exc_type is None and ctx.requests:
+                self._cockpit._engine.end(self._pass, failed=True)
+                raise ValueError(
+                    "more than one backward pass ran inside one `with cockpit(...)` (gradient accumulation over "
+                    "micro-batches?): per-sample statistics of several backward passes cannot be combined yet; "
+                    "track one backward pass per step"
+                )
+        forms = {}
+        if ctx.requests:
+            grads = {id(ctx.params[index]): grad for index, grad in ctx.local_grads.items()}
+            forms = cockpit._engine.end(self._pass, grads, failed=exc_type is not None)
         if exc_type is not None:
             cockpit._free(self._buffers, ctx)
             return
-        forms.update(self._whole_graph)
-        if self._check_sums:  # the whole graph's add up by construction
-            _check_sums(ctx, forms, cockpit._capture.hooked | set(self._whole_graph))
         collect_statistics(ctx, forms, cockpit.per_sample_route)
         cockpit._track(ctx, self._buffers, self._curvature_names)
 
@@ -368,56 +454,58 @@ def _record_visited(ctx):
     return record
 
 
-def _modules_mixing_samples(capture, ctx):
-    """The modules of calls whose samples the engine cannot tell apart (:func:`mixed_calls`),
-    found with every sample's own loss where the user hands them in."""
-    losses = ctx.given("individual_losses")
-    params = [p for p in ctx.params if p.requires_grad]
-    if losses is None or losses.grad_fn is None or capture.mixing:
-        return []
-    return [call.module for call in mixed_calls(capture, losses, params, torch.ones_like(losses))]
-
-
-def _whole_graph_forms(capture, ctx, mixed_modules):
-    """Per-sample gradients, computed now through the whole graph, of the tracked parameters
-    that no module call can give exactly: all of them where samples interact (a batch norm in
-    training mode), those of calls that cannot be replayed (random ops), do not hold the
-    batch's samples along their first dimension or are shared by every sample
-    (``mixed_modules``), and those no call captured."""
-    n = ctx.given_batch_size()
-    covered, inexact = set(), set()
-    for call in capture.calls():
-        ids = {id(p) for p in call.params.values()}
-        covered |= ids
-        if (
-            (n is not None and call.batch_size != n)
-            or call.module in mixed_modules
-            or (call.needs_replay() and call.replays_randomness())
-        ):
-            inexact |= ids
-    tracked = {id(p) for p in ctx.params}
-    if capture.mixing:
-        why = f"samples interact through {type(capture.mixing[0]).__name__} in training mode"
-        needed = tracked
-    elif inexact:
-        needed, why = inexact, (
-            "a module call draws random numbers (dropout), or its samples cannot be told apart (not along "
-            "dimension 0, or one call shared by every sample)"
-        )
-    else:
-        needed, why = tracked - covered, "no module call captured them (used before the cockpit was made?)"
-    if not needed:
-        return {}
-    losses = ctx.given("individual_losses")
-    if losses is None or losses.grad_fn is None:
-        if needed <= tracked - covered:  # unused parameters: per_param() says so
-            return {}
+def _trainable(params):
+    """The parameters that require gradients; the frozen ones are left out, saying so once."""
+    params = list(params)
+    trainable = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+    others = [p for p in params if not isinstance(p, torch.Tensor)]
+    if others:
+        raise TypeError(f"Cockpit tracks tensors (model.parameters()), got a {type(others[0]).__name__}")
+    if not trainable:
         raise ValueError(
-            f"per-sample gradients of {len(needed)} tracked parameters need every sample's own loss ({why}): "
-            "hand in info['individual_losses'] with their graph (computed from the model's output, not detached)"
+            f"none of the {len(params)} parameters given requires gradients (requires_grad=False): nothing to track"
         )
-    params = [p for p in ctx.params if id(p) in needed]
-    return whole_graph_grads(losses, params, 1.0 / losses.shape[0])
+    if len(trainable) < len(params):
+        warnings.warn(
+            f"Cockpit: {len(params) - len(trainable)} of the {len(params)} parameters given are frozen "
+            "(requires_grad=False) and are not tracked; tracking the other "
+            f"{len(trainable)}", UserWarning, stacklevel=3,
+        )
+    return trainable
+
+
+def _refuse_earlier_gradients(params):
+    """Gradients in ``.grad`` before the tracked backward pass (a micro-batch's backward pass made
+    outside the ``with`` block, or no ``zero_grad``) would be mixed into the statistics unseen."""
+    held = [p.grad for p in params if p.grad is not None]
+    if held and bool(torch.stack([g.detach().ne(0).any() for g in held]).any()):
+        raise ValueError(
+            "tracked parameters hold gradients from before `with cockpit(...)` (a backward pass outside it, or no "
+            "zero_grad()): the statistics would mix them in unseen. Zero the gradients before the tracked step's "
+            "forward pass, and run its backward pass inside the `with` block"
+        )
+
+
+def _check_batch_size(ctx, calls):
+    """``info``'s batch size and individual losses against the samples of the forward pass: a
+    mismatch would weigh every statistic wrongly."""
+    losses = ctx.given("individual_losses")
+    count = None if not isinstance(losses, torch.Tensor) else losses.numel()
+    if ctx.has_info("batch_size") and count is not None and count != int(ctx.given("batch_size")):
+        raise ValueError(
+            f"info['individual_losses'] holds {count} losses but info['batch_size'] is {int(ctx.given('batch_size'))}: "
+            "hand in one loss per sample of this batch"
+        )
+    told = ctx.given_batch_size()
+    seen = Counter(call.batch_size for call in calls if not call.shared)
+    if told is None or not seen or told in seen:
+        return
+    name = "batch_size" if ctx.has_info("batch_size") else "individual_losses"
+    raise ValueError(
+        f"info['{name}'] tells {told} samples, but the forward pass this backward pass runs through had "
+        f"{seen.most_common(1)[0][0]} (along the sample dimension of its module calls): hand in the batch's own "
+        "size and losses (a last batch may be smaller)"
+    )
 
 
 def _check_mean_loss(ctx):
@@ -428,44 +516,29 @@ def _check_mean_loss(ctx):
     losses = ctx.info("individual_losses", None).detach()
     if losses.numel() == 0:
         return
-    mean = losses.mean().to(loss.dtype)
-    # Beyond what rounding the individual losses could explain (a sum is N times the mean).
-    tolerance = 1e-3 * (mean.abs() + losses.abs().max().to(loss.dtype)) + 1e-12
-    if (loss - mean).abs() > tolerance:
+    # Beyond what rounding explains: a mean of N terms of size s, in the less precise of the two
+    # dtypes, is exact to about N eps s.
+    eps = max(torch.finfo(loss.dtype).eps, torch.finfo(losses.dtype).eps)
+    mean = losses.double().mean()
+    tolerance = (losses.numel() + 8) * eps * losses.double().abs().mean() + 1e-30
+    if (loss.double() - mean).abs() > tolerance:
         raise ValueError(
             f"info['loss'] = {loss.item():.6g} is not the mean of info['individual_losses'] ({mean.item():.6g}): "
             "the cockpit's statistics assume a mean-reduced loss (reduction='mean')"
         )
 
 
-def _check_sums(ctx, forms, hooked):
-    """The per-sample gradients of each parameter must add up to its gradient from this backward
-    pass; they do not where it is also used outside the calls of the modules that own it."""
-    for index, param in enumerate(ctx.params):
-        form, grad = forms.get(id(param)), ctx.local_grads.get(index)
-        if form is None or grad is None or id(param) in hooked:
-            continue
-        grad = grad.detach()
-        tolerance = (1e-7 if grad.dtype == torch.float64 else 1e-3) * grad.abs().max() + 1e-30
-        if (form.grad.to(grad.dtype) - grad).abs().max() > tolerance:
-            raise ValueError(
-                f"the per-sample gradients of tracked parameter {index} (shape {tuple(param.shape)}) do not add up "
-                "to its gradient: it is used outside the forward pass of the module that owns it (a functional "
-                "use in another module's forward, say). Use it inside a module's forward, or track without it"
-            )
-
-
-def _check_curvature_support(capture, extensions, requested_by):
+def _check_curvature_support(engine, extensions, requested_by):
     """A BackPACK curvature on a module BackPACK cannot handle: a clear error before the backward
     (where the cockpit watches the calls: a user's extension beside quantities that need none
     meets BackPACK's own error)."""
-    if capture is None:
+    if engine is None:
         return
     for ext in extensions:
         if ext.savefield not in CURVATURE_EXTENSIONS:
             continue
         supported = ext._BackpropExtension__module_extensions
-        for call in capture.calls():
+        for call in engine.capture.calls():
             for leaf in call.module.modules():
                 if next(leaf.parameters(recurse=False), None) is not None and type(leaf) not in supported:
                     names = ", ".join(requested_by.get(type(ext), [type(ext).__name__]))

@@ -32,7 +32,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from cockpit_fast._step import compute_statistics
+from cockpit_fast.statistics import compute_statistics
 
 
 def resolve_group(process_group):
@@ -65,10 +65,12 @@ class GradientCapture:
 
     def __init__(self, params, keep_graph, copy=True):
         self.grads = {}
+        self.passes = 0  # most backward passes that reached one parameter
         self._handles = [p.register_hook(self._keeper(i, keep_graph, copy)) for i, p in enumerate(params)]
 
     def _keeper(self, index, keep_graph, copy):
         def keep(grad):
+            self.passes = max(self.passes, 2 if index in self.grads else 1)
             self.grads[index] = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
 
         return keep
@@ -81,7 +83,7 @@ class GradientCapture:
 
 
 def reduce_step(ctx, curvature_names=()):
-    """Turn ``ctx`` (a :class:`~cockpit_fast._step.StepContext` with a ``group``) into the
+    """Turn ``ctx`` (a :class:`~cockpit_fast.statistics.StepContext` with a ``group``) into the
     global batch's step, in place.
 
     Args:

@@ -183,13 +183,72 @@ def hf_gpt2(layers=2, width=16, heads=2, vocab=VOCAB, positions=TOKENS, dropout=
     return _LogitsOnly(transformers.GPT2LMHeadModel(config))
 
 
+def hf_bert():
+    """A Hugging Face BERT classifier: its key projections' bias gradients are zero in exact
+    arithmetic (softmax ignores a shift every key shares), rounding noise in practice."""
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=TOKENS, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return _LogitsOnly(transformers.BertForSequenceClassification(config))
+
+
+def hf_vit():
+    """A Hugging Face ViT classifier: patches by a strided convolution, a class token and
+    position embeddings as raw parameters of the embeddings module."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=2, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return _LogitsOnly(transformers.ViTForImageClassification(config), "pixel_values")
+
+
+def hf_llama():
+    """A Hugging Face Llama: RMSNorm, rotary positions, grouped-query attention, a gated MLP."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=16, max_position_embeddings=TOKENS,
+    )
+    return _LogitsOnly(transformers.LlamaForCausalLM(config))
+
+
+def hf_t5():
+    """A Hugging Face T5 encoder-decoder: its relative-attention-bias table is looked up once
+    per forward pass and shared by every sample."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=4, relative_attention_max_distance=8, dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    return _Seq2SeqLogits(transformers.T5ForConditionalGeneration(config))
+
+
 class _LogitsOnly(nn.Module):
+    def __init__(self, model, input_name="input_ids"):
+        super().__init__()
+        self.model, self.input_name = model, input_name
+
+    def forward(self, inputs):
+        return self.model(**{self.input_name: inputs}).logits
+
+
+class _Seq2SeqLogits(nn.Module):
+    """The decoder's logits for the ids shifted right, the ids themselves the encoder's input."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, ids):
-        return self.model(ids).logits
+        return self.model(input_ids=ids, decoder_input_ids=ids.roll(1, 1)).logits
 
 
 def token_losses(logits, ids):
@@ -205,6 +264,44 @@ def class_losses(logits, labels):
 
 def _tokens(n, gen):
     return torch.randint(1, VOCAB, (n, TOKENS), generator=gen)
+
+
+class RawUse(nn.Module):
+    """A tracked weight used once by its module and once functionally by its parent (DeBERTa's
+    encoder reads its rel_embeddings' weight so): the sum check sends it to the whole graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, CLASSES)
+        self.head = nn.Linear(CLASSES, CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) + F.linear(x.flip(1), self.lin.weight)))
+
+
+class Scale(nn.Module):
+    """A custom module with a parameter of its own (no rule: its call is replayed)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(channels, 1))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def extended_unknown_layers():
+    """A model ``backpack.extend``ed, as every Cockpit user does, with layers the engine has no
+    rule for (a transposed convolution, a custom module): their replay must not run BackPACK's
+    module hooks."""
+    import backpack
+
+    return backpack.extend(
+        nn.Sequential(
+            nn.Conv1d(3, 4, 3), nn.Tanh(), nn.ConvTranspose1d(4, 2, 3, stride=2), Scale(2), nn.Flatten(),
+            nn.Linear(2 * 15, CLASSES),
+        )
+    )
 
 
 # name -> (model factory, batch(n, generator, dtype) -> (inputs, targets), per-sample loss)
@@ -251,6 +348,24 @@ MODELS = {
         lambda n, g, d: (torch.randint(0, VOCAB, (n, TOKENS), generator=g), None),
         lambda out, x, y: F.cross_entropy(out.reshape(-1, VOCAB), x.roll(1, 1).reshape(-1), reduction="none").reshape(x.shape).mean(1),
     ),
+    "hf_bert": (hf_bert, lambda n, g, d: (_tokens(n, g), torch.randint(0, CLASSES, (n,), generator=g)), lambda out, x, y: class_losses(out, y)),
+    "hf_vit": (
+        hf_vit,
+        lambda n, g, d: (torch.randn(n, 2, 8, 8, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
+    "hf_llama": (hf_llama, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
+    "hf_t5": (hf_t5, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
+    "extended_unknown_layers": (
+        extended_unknown_layers,
+        lambda n, g, d: (torch.randn(n, 3, 9, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
+    "raw_use": (
+        RawUse,
+        lambda n, g, d: (torch.randn(n, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
     "batch_norm_training": (
         BatchNormNet,
         lambda n, g, d: (torch.randn(n, 6, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
@@ -281,11 +396,19 @@ def oracle_grads(model, params, losses_of, x, y):
     checkpointed = [m for m in model.modules() if getattr(m, "checkpointing", False)]
     for m in checkpointed:
         m.checkpointing = False
+    # The model's math alone: module hooks (backpack.extend's) do not run under torch.func.
+    hooks = [(m, m._forward_hooks.copy(), m._backward_hooks.copy()) for m in model.modules()]
+    for m, _, _ in hooks:
+        m._forward_hooks.clear()
+        m._backward_hooks.clear()
     try:
         jacobian = torch.func.jacrev(losses)({name: values[name] for name in wanted})
     finally:
         for m in checkpointed:
             m.checkpointing = True
+        for m, forward, backward in hooks:
+            m._forward_hooks.update(forward)
+            m._backward_hooks.update(backward)
     return [jacobian[name] for name in wanted]
 
 

@@ -232,9 +232,20 @@ def _tracked_step(model, x, y, quantities_, info_losses=True, reduction="mean", 
     return cockpit.get_output()[0]
 
 
-def test_a_functional_use_outside_the_owning_module_is_a_clear_error():
-    with pytest.raises(ValueError, match="do not add up to its gradient: it is used outside the forward pass"):
-        _tracked_step(RawUse(), torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)])
+def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():
+    model, batch, _ = build("raw_use", torch.float64)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    cockpit_ = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match=r"\(lin.weight\) takes the whole-graph route .* used outside its module"):
+        training_step(model, None, (x, y), _cross_entropy("none"), cockpit=cockpit_)
+    routes = cockpit_.routes()
+    assert routes["lin.weight"] == "whole graph"
+    assert routes["lin.bias"] == routes["head.weight"] == "module-local: Linear rule"
+
+
+def test_a_functional_use_outside_the_owning_module_without_individual_losses_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"1 tracked parameter \(lin.weight\) do not add up to their gradient: they are used outside"):
+        _tracked_step(RawUse(), torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)], info_losses=False)
 
 
 def test_a_loss_that_is_not_the_mean_of_the_individual_losses_is_a_clear_error():
@@ -245,7 +256,7 @@ def test_a_loss_that_is_not_the_mean_of_the_individual_losses_is_a_clear_error()
 def test_interacting_samples_without_individual_losses_is_a_clear_error():
     model, batch, _ = build("batch_norm_training", torch.float32)
     x, y = batch(N, torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="need every sample's own loss .*BatchNorm1d in training mode"):
+    with pytest.raises(ValueError, match=r"samples interact \(BatchNorm1d in training mode\) need every sample's own loss"):
         _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
 
 

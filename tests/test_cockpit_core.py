@@ -319,6 +319,7 @@ def _nan_loss_warnings(cockpit_cls, q, s):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):
+            model.zero_grad()
             loss = loss_fn(model(torch.randn(4, 5)), torch.randint(0, 3, (4,)))
             with cp(step, info={"loss": loss * float("nan"), "batch_size": 4}):
                 loss.backward()

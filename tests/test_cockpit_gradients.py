@@ -96,7 +96,7 @@ def test_unknown_curvature_lists_the_options(name):
 
 def test_statistics_shared_by_quantities_are_computed_once():
     """GradHist1d twice with one setting and NormTest + OrthoTest share their statistics."""
-    from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD, Hist1d, StepContext
+    from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, Hist1d, StepContext
 
     every = lambda step: True  # noqa: E731
     tracked = [

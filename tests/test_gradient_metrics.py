@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as fast
-from cockpit_fast.gradient_metrics import per_sample
-from cockpit_fast.per_sample import Capture, FactoredGrads
+from cockpit_fast.gradient_metrics import collector as collector_module
+from cockpit_fast.per_sample import Engine, FactoredGrads
 
 original = pytest.importorskip("gradient_metrics")
 from gradient_metrics import metrics as orig  # noqa: E402  (after the importorskip)
@@ -155,7 +155,7 @@ def fallback_warnings(caught):
 @pytest.mark.parametrize("mix", ["all_kinds", "pnorms", "std_only", "transforms", "repeated"])
 @pytest.mark.parametrize("setup_name", ["mlp", "cnn", "mixed", "coupled", "batch_centred", "sequence"])
 def test_same_values_as_gradient_metrics(setup_name, mix, dtype, monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         theirs, ours = run_both(setup_name, mix, dtype)
@@ -174,9 +174,11 @@ def per_sample_reference(setup_name, params_of):
     "setup_name, linear_only, factored",
     [
         ("mlp", True, [True, True]),  # the weighted pass finds independent samples
-        ("batch_centred", True, [False, False]),  # it finds samples interacting between the layers
-        ("coupled", True, [False, False]),  # batch norm in training mode: known to mix samples
-        ("coupled", False, [False, False]),  # batch norm's parameters: the identity rows too
+        # Samples interact between the layers: the first layer takes the whole graph, the second,
+        # downstream of where they interact, its rule (its output gradients are each sample's own).
+        ("batch_centred", True, [False, True]),
+        ("coupled", True, [False, True]),  # batch norm in training mode, likewise
+        ("coupled", False, [False, True]),  # batch norm's own parameters too
     ],
 )
 def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
@@ -186,8 +188,7 @@ def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
 
     setup = Setup(setup_name, torch.float64)
     params = params_of(setup.model)
-    capture = Capture(params)
-    grads = per_sample.per_sample_forms(capture, setup.forward(), params, retain_graph=False)
+    grads = Engine(params).per_sample(setup.forward())
     weights = [m.weight for m in setup.model if isinstance(m, nn.Linear)]
     assert [isinstance(grads[id(w)], FactoredGrads) for w in weights] == factored
     for n, expected in per_sample_reference(setup_name, params_of).items():
@@ -199,7 +200,7 @@ def test_per_sample_gradients_of_each_route(setup_name, linear_only, factored):
 def test_failing_batched_backward_falls_back_to_one_pass_per_sample(dtype, monkeypatch):
     # A collector made after the forward pass watched no module call: the batched route, which
     # the custom autograd Function breaks, then one pass per sample.
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     outputs = []
     with pytest.warns(RuntimeWarning, match="batched backward pass failed"):
         for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
@@ -211,7 +212,7 @@ def test_failing_batched_backward_falls_back_to_one_pass_per_sample(dtype, monke
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_module_calls_serve_a_graph_the_batched_backward_cannot_take(dtype, monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         theirs, ours = run_both("custom_function", "all_kinds", dtype)
@@ -220,7 +221,7 @@ def test_module_calls_serve_a_graph_the_batched_backward_cannot_take(dtype, monk
 
 
 def test_transform_vmap_cannot_batch_runs_sample_by_sample(monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
 
     def scaled_by_python_number(g):
         return g / g.abs().max().item()
@@ -236,7 +237,7 @@ def test_transform_vmap_cannot_batch_runs_sample_by_sample(monkeypatch):
 
 
 def test_transform_with_outputs_of_different_lengths_runs_sample_by_sample(monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
 
     def large_entries(g):  # how many entries pass depends on the sample
         return g[g.abs() > 0.05]
@@ -266,7 +267,7 @@ def test_large_p_norms_of_factored_gradients_do_not_overflow():
 
 
 def test_transform_vmap_cannot_batch_warns_why(monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     setup = Setup("mlp", torch.float64)
     metric = fast.Max(setup.model, grad_transform=lambda g: g / g.abs().max().item())
     with pytest.warns(RuntimeWarning, match="cannot be batched with torch.vmap.*item"):
@@ -304,7 +305,7 @@ def max_of_abs_class(base):
 
 
 def test_custom_metrics_fed_sample_by_sample(monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     outputs = []
     for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
         setup = Setup("mlp", torch.float32)
@@ -436,7 +437,7 @@ def test_call_rejects_bad_losses_like_the_original(bad):
 
 
 def test_unused_target_raises_like_the_original(monkeypatch):
-    monkeypatch.setattr(per_sample, "_warned", set())
+    monkeypatch.setattr(collector_module, "_warned", set())
     for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
         setup = Setup("mlp", torch.float32)
         unused = torch.randn(3, requires_grad=True)

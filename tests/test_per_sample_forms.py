@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from cockpit_fast import per_sample
-from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
+from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
 from cockpit_fast.per_sample import Capture, ConvGrads, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
 from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads
 from conftest import values_near_edges

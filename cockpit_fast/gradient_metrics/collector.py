@@ -1,8 +1,9 @@
 """GradientMetricCollector: per-sample gradient metrics of a loss of shape (N,) in one pass.
 
 Same API and values as gradient-metrics 0.5.0, which runs one backward pass per sample. Here the
-per-sample engine gives every sample's gradients from the module calls it watched in the forward
-pass, or one batched backward pass where it cannot (:mod:`.per_sample`), one
+per-sample engine (:class:`cockpit_fast.per_sample.Engine`, the cockpit's too) gives every
+sample's gradients from the module calls it watched in the forward pass, or from batched
+backward passes through the whole graph where those cannot, one
 ``cockpit_fast.ops.per_sample_stats`` call per (parameter, transform) serves every built-in metric,
 and the rows of a metric's parameters merge with ``cockpit_fast.stats.merge``.
 
@@ -13,14 +14,24 @@ that fails falls back to one backward pass per sample, as in the original.
 """
 
 import math
+import warnings
 from collections import Counter, defaultdict
 
 import torch
 
 from cockpit_fast import stats as columns
 from cockpit_fast.gradient_metrics.metrics import GradientMetric, as_floating
-from cockpit_fast.gradient_metrics.per_sample import per_sample_forms, warn_once
-from cockpit_fast.per_sample import Capture, DenseGrads, stats_rows
+from cockpit_fast.per_sample import DenseGrads, Engine, stats_rows
+from cockpit_fast.per_sample.engine import user_hooks_set_aside
+
+_warned = set()
+
+
+def warn_once(message):
+    """Warns about a slow route the first time each distinct message comes up."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 class GradientMetricCollector:
@@ -61,7 +72,7 @@ class GradientMetricCollector:
         self._copies = Counter(id(m) for m in self._metrics)
         # Each target once; tensors hash by identity.
         self._params = list(dict.fromkeys(p for m in self._metrics for p in m.target_parameters))
-        self._capture = Capture([p for p in self._params if p.requires_grad])
+        self._engine = Engine([p for p in self._params if p.requires_grad])
 
     def __call__(self, loss, retain_graph=False):
         """Gradient metrics of each sample's own loss.
@@ -90,13 +101,21 @@ class GradientMetricCollector:
                 f"{torch.distributed.get_world_size()}); nothing is gathered across processes"
             )
         try:
-            grads = per_sample_forms(self._capture, loss, self._params, retain_graph)
+            grads = self._engine.per_sample(loss)
+            if not retain_graph:  # free the graph as the original's last backward pass would
+                with user_hooks_set_aside(self._params):
+                    torch.autograd.grad(loss, self._params, torch.zeros_like(loss), allow_unused=True)
         except RuntimeError as error:
             warn_once(
                 "GradientMetricCollector: the batched backward pass failed "
                 f"({type(error).__name__}: {error}); running one backward pass per sample instead"
             )
             return self._one_backward_per_sample(loss, retain_graph)
+        if any(id(p) not in grads for p in self._params):  # as the original's torch.autograd.grad
+            raise RuntimeError(
+                "One of the differentiated Tensors appears to not have been used in the graph. "
+                "Set allow_unused=True if this is the desired behavior."
+            )
         batch_stats = _BatchStats(grads, [m for m in self._metrics if m._serves_batches()])
         blocks = []
         for metric in self._metrics:

@@ -3,9 +3,12 @@
 :mod:`.capture` records the module calls that use tracked parameters; :mod:`.rules` turns a call
 of a known layer into closed forms (:mod:`.grads`); :mod:`.generic` replays any other call sample
 by sample, or backpropagates every sample's loss through the whole graph where samples interact.
+:class:`Engine` (:mod:`.engine`) is the front door: which of these routes serves each parameter.
 """
 
+from cockpit_fast.per_sample import recurrent  # noqa: F401 (files the recurrent layers' rule)
 from cockpit_fast.per_sample.capture import Call, Capture
+from cockpit_fast.per_sample.engine import Engine
 from cockpit_fast.per_sample.generic import whole_graph_grads
 from cockpit_fast.per_sample.grads import (
     CHUNK_VALUES,
@@ -25,6 +28,7 @@ __all__ = [
     "Capture",
     "ConvGrads",
     "DenseGrads",
+    "Engine",
     "FactoredGrads",
     "PerSampleGrads",
     "RowGrads",

@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
 
-from cockpit_fast.per_sample import rules
+from cockpit_fast.per_sample import parametrized, rules, shared
 from cockpit_fast.per_sample.generic import ModuleVjpGrads, replay_grads
 from cockpit_fast.per_sample.grads import HookedGrads, combine
 
@@ -49,8 +49,28 @@ class Call:
         # keep their samples along dimension 1.
         self.sample_dim = 1 if time_first else 0
         first = outputs[0]
-        self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
+        packed = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.nn.utils.rnn.PackedSequence)]
+        if packed:  # a recurrent layer's: its data (tokens, features) has no dimension of samples
+            self.batch_size = int(packed[0].batch_sizes[0])
+        else:
+            self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
         self._replayed = None
+        self._replays = set()  # names whose forms replay the call
+        self.shared = False  # made once for every sample: its gradients come from broadcasts
+        self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
+        first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        # Where its rows came from (routed tokens, flattened ones): routed.regroup reads it.
+        has_graph = first_input is not None and first_input.grad_fn is not None
+        self.input_node = (first_input.grad_fn, first_input.output_nr) if has_graph else None
+
+    def share(self, n):
+        """Take the call as made once for each of ``n`` samples, its output broadcast to them
+        (:mod:`cockpit_fast.per_sample.shared` gives its output gradient sample by sample)."""
+        expand = lambda t: t.unsqueeze(0).expand(n, *t.shape) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        self.args = tuple(expand(a) for a in self.args)
+        self.kwargs = {k: expand(v) for k, v in self.kwargs.items()}
+        self.output_shapes = [torch.Size((n, *shape)) for shape in self.output_shapes]
+        self.sample_dim, self.batch_size, self.shared, self._replayed = 0, n, True, None
 
     @property
     def size(self):
@@ -59,7 +79,14 @@ class Call:
 
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
-        return rules.rule_for(self.module) is None or bool(set(self.params) - self.direct)
+        chained = parametrized.chained_names(self.module, self.params)  # the rule's, through a parametrization
+        return rules.rule_for(self.module) is None or bool(set(self.params) - self.direct - chained)
+
+    def route_of(self, name):
+        """How the call gives parameter ``name`` its per-sample gradients, in words."""
+        how = "replayed with torch.func" if name in self._replays else "rule"
+        how += ", rows regrouped by sample" if self.routed is not None else ""
+        return f"module-local: {type(self.module).__name__} {how}"
 
     def replays_randomness(self):
         """Whether replaying the call would draw random numbers (dropout in training mode)."""
@@ -85,18 +112,40 @@ class Call:
     def forms(self, output_grads):
         """``{name: form}`` of the call's parameters, given its outputs' gradients."""
         grads = [None if g is None else g.detach() for g in output_grads]
-        found = {}
+        args, grads = _in_narrowest_dtype(self.args, grads)
+        made = {}
         rule = rules.rule_for(self.module)
-        if rule is not None and len(grads) == 1 and grads[0] is not None and self.args:
-            # Rules take the samples along dimension 0.
-            first = lambda t: t.movedim(self.sample_dim, 0) if isinstance(t, torch.Tensor) and t.dim() > 1 else t  # noqa: E731
-            # Inputs shared by every sample (a batch of one, broadcast) reach each of them.
-            inputs = tuple(_broadcast(first(a), self.batch_size) for a in self.args)
-            found = {name: form for name, form in (rule(self.module, inputs, first(grads[0])) or {}).items() if name in self.params}
-        for name in self.params:
-            if name not in found:
-                found[name] = ModuleVjpGrads(self, name, grads)
+        # A rule reading a parametrized tensor, and the chaining, evaluate parametrizations: no new calls.
+        _replaying[0] += 1
+        try:
+            with parametrized.evaluated_as_in_forward(self.module):
+                if rule is not None and rule.raw:
+                    made = rule(self.module, args, self.kwargs, grads, self.sample_dim) or {}
+                elif rule is not None and len(grads) == 1 and grads[0] is not None and args:
+                    # Rules take the samples along dimension 0.
+                    first = lambda t: t.movedim(self.sample_dim, 0) if isinstance(t, torch.Tensor) and t.dim() > 1 else t  # noqa: E731
+                    # Inputs shared by every sample (a batch of one, broadcast) reach each of them.
+                    inputs = tuple(_broadcast(first(a), self.batch_size) for a in args)
+                    made = rule(self.module, inputs, first(grads[0])) or {}
+            found = {name: form for name, form in made.items() if name in self.params}
+            found.update(parametrized.chained_forms(self.module, made, self.params, self.parametrization_buffers))
+        finally:
+            _replaying[0] -= 1
+        self._replays = {name for name in self.params if name not in found}
+        for name in self._replays:
+            found[name] = ModuleVjpGrads(self, name, grads)
         return found
+
+
+def _in_narrowest_dtype(args, grads):
+    """A call's inputs and output gradients in the narrowest floating dtype among them: under
+    autocast a layer computes in it (a float32 input, a bfloat16 output gradient)."""
+    floating = [t for t in (*args, *grads) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    narrowest = min((t.dtype for t in floating), key=lambda d: torch.finfo(d).bits, default=None)
+    if all(t.dtype == narrowest for t in floating):
+        return args, grads
+    cast = lambda t: t.to(narrowest) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return tuple(cast(a) for a in args), [cast(g) for g in grads]
 
 
 def _broadcast(t, n):
@@ -118,6 +167,7 @@ class Capture:
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
         self._fired = None  # (call, output gradients) of the armed backward pass
+        self._root = None  # the outermost module with tracked parameters last called, for names
         self._keep = None
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
         self.recent = weakref.WeakSet()  # calls whose graph is alive, for planning a step
@@ -155,6 +205,13 @@ class Capture:
             if self._frames:
                 self._frames[-1][1].update(claimed_inside)
             return None
+        if not self._frames and owned:
+            self._root = weakref.ref(module)  # the model, whose names the engine reports
+        if self._frames and parametrized.evaluates_a_parametrization(module, self._frames[-1][0]):
+            # One tensor for every sample: its parameters are left to the enclosing call, whose
+            # rule's forms are chained through the parametrization.
+            self._frames[-1][1].update(claimed_inside)
+            return None
         outputs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         if mixing and outputs:
             token = _Mixing(module)  # lives as long as the graph through this call
@@ -173,10 +230,17 @@ class Capture:
             # (a view), takes each sample's gradient, and the expansion sums them as broadcasting did.
             replaced = output.expand(self._batch, *output.shape[1:])
             outputs = [replaced]
-        elif self._batch == 1 and isinstance(output, torch.Tensor) and output.dim() > sample_dim:
-            self._batch = output.shape[sample_dim]  # the first call of the forward pass sets it
+        elif self._batch == 1 and outputs[0].dim() > sample_dim:
+            self._batch = outputs[0].shape[sample_dim]  # the first call of the forward pass sets it
+        elif not time_first and outputs[0].dim() > 1 and outputs[0].shape[0] != self._batch == outputs[0].shape[1]:
+            # Sequences time-first from a parent that says nothing (nn.TransformerEncoderLayer's
+            # feed-forward); the proof of the first step confirms it.
+            time_first = True
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
+        if outputs[0].grad_fn is not None:  # found there if the call turns out shared by every sample
+            outputs[0].grad_fn.metadata.setdefault(shared.CALL_TAG, []).append(weakref.ref(call))
+        call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
         if len(outputs) == 1:  # a tensor hook costs less than a multi-grad hook (every call pays it)
@@ -199,6 +263,11 @@ class Capture:
         )
 
     @property
+    def root(self):
+        """The outermost module with tracked parameters last called (None: none yet, or gone)."""
+        return None if self._root is None else self._root()
+
+    @property
     def mixing(self):
         """Modules whose samples interact, in a graph still alive."""
         return [token.module for token in self._mixing]
@@ -214,8 +283,15 @@ class Capture:
             ]
         return self._owned[module]
 
-    def _fire(self, call, grads):
-        if self._fired is not None:
+    def fire_broadcast(self, call, grads):
+        """The output gradients of a call shared by every sample, from where it is broadcast."""
+        self._fire(call, grads, broadcast=True)
+
+    def _fire(self, call, grads, broadcast=False):
+        # A shared call's output gets the samples' gradients summed: its broadcasts' count instead.
+        if self._fired is not None and call.shared == broadcast:
+            if call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
+                grads = [None if g is None else call.routed(g) for g in grads]
             keep = self._keep
             self._fired.append((call, [keep(call, g) for g in grads] if keep else list(grads)))
 
@@ -226,12 +302,12 @@ class Capture:
         # The user's hooks on parameters, applied to each sample's gradient (not ours, added later).
         self.hooked = {id(p) for p in self._tracked.values() if p._backward_hooks}
 
-    def disarm(self, skip=()):
-        """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached,
-        but for the parameters whose ids are in ``skip``, and the ``(call, output gradients)``
-        it reached."""
+    def disarm(self, skip=(), forms=True):
+        """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached
+        (none without ``forms``), but for the parameters whose ids are in ``skip``, and the
+        ``(call, output gradients)`` it reached."""
         fired, self._fired = self._fired or [], None
-        if self._keep is not None:  # fingerprints: no forms
+        if self._keep is not None or not forms:  # fingerprints, or a pass that failed: no forms
             self._keep = None
             return {}, fired
         parts = defaultdict(list)
@@ -278,14 +354,15 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     seen = {id(call): prints for call, prints in weighted}
     mixed = []
     for call, prints in reference:
-        for g, h in zip(prints, seen.get(id(call), [])):
+        for (g, eps), (h, _) in zip(prints, seen.get(id(call), [])):
             if g is None or h is None or g.shape != h.shape or g.shape[1] != n:
                 if not (g is None and h is None):
                     mixed.append(call)
                     break
                 continue
             expected = g[:2] * weights.to(g.dtype)
-            tolerance = (1e-4 if g.dtype != torch.float64 else 1e-9) * (g[2] * weights.to(g.dtype) + h[2]) + 1e-30
+            # The weighted pass rounds each entry of the gradient again: a few eps of its absolute sums.
+            tolerance = 64 * eps * (g[2] * weights.to(g.dtype) + h[2]) + 1e-30
             if ((h[:2] - expected).abs() > tolerance).any():
                 mixed.append(call)
                 break
@@ -293,13 +370,18 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
 
 
 def _fingerprint(call, grad):
-    """(3, N) sums of each sample's output gradient: plain, against a fixed pattern, absolute."""
+    """(3, N) sums of each sample's output gradient, in at least float32: plain, against a fixed
+    pattern, absolute; and the machine epsilon their rounding follows."""
     if grad is None or grad.dim() <= call.sample_dim:
-        return None
+        return None, None
+    # At least float32's: float64 models compute some parts in float32 (T5's norms), and the
+    # weighted pass rounds there too.
+    eps = max(torch.finfo(grad.dtype).eps, torch.finfo(torch.float32).eps)
     rows = grad.detach().movedim(call.sample_dim, 0).reshape(grad.shape[call.sample_dim], -1)
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
     pattern = torch.cos(torch.arange(rows.shape[1], device=rows.device, dtype=rows.dtype))
     # vector_norm: the absolute sums without a tensor of absolute values (the logits' gradient is large).
-    return torch.stack([rows.sum(1), rows @ pattern, torch.linalg.vector_norm(rows, 1, dim=1)])
+    return torch.stack([rows.sum(1), rows @ pattern, torch.linalg.vector_norm(rows, 1, dim=1)]), eps
 
 
 class _Mixing:

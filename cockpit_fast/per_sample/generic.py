@@ -9,11 +9,14 @@
   cannot be replayed (random ops such as dropout).
 """
 
+import contextlib
+
 import torch
+from backpack import hook_store_io as backpack_store_io
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cockpit_fast.per_sample.grads import DenseGrads, PerSampleGrads
+from cockpit_fast.per_sample.grads import DenseGrads, PerSampleGrads, samples_per_chunk
 
 
 class ModuleVjpGrads(PerSampleGrads):
@@ -91,7 +94,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
         _, pullback = vjp(forward, detached)
         return pullback(tuple(sample_cotangents))[0]
 
-    with torch.enable_grad():
+    with torch.enable_grad(), _module_hooks_set_aside(module):
         try:
             return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
         except RuntimeError as error:
@@ -117,14 +120,47 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
             return {name: torch.stack([row[name] for row in rows]) for name in params}
 
 
+@contextlib.contextmanager
+def _module_hooks_set_aside(module):
+    """A replay computes gradients for the statistics, not the model's backward pass: the
+    modules' backward hooks (BackPACK's extensions, a user's) do not run in it (torch.func
+    cannot run them either), nor BackPACK's forward hooks storing inputs for its own pass."""
+    set_aside = []
+    for m in module.modules():
+        for hooks in (m._backward_hooks, m._backward_pre_hooks):
+            if hooks:
+                set_aside.append((hooks, dict(hooks)))
+                hooks.clear()
+        stores = {key: hook for key, hook in m._forward_hooks.items() if hook is backpack_store_io}
+        if stores:
+            set_aside.append((m._forward_hooks, stores))
+            for key in stores:
+                del m._forward_hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, kept in set_aside:
+            hooks.update(kept)
+
+
 def whole_graph_grads(losses, params, scale):
     """``{id(param): DenseGrads}``: ``scale`` times the gradient of every ``losses[n]`` through the
-    whole graph, from one batched backward pass (the graph is kept for the caller's own)."""
+    whole graph, from batched backward passes of a chunk of samples each (a batched pass holds
+    every activation's gradient once per sample of its chunk; the graph is kept for the
+    caller's own)."""
     refuse_reentrant_checkpoints(losses)
     n = losses.shape[0]
-    rows = scale * torch.eye(n, dtype=losses.dtype, device=losses.device)
-    grads = torch.autograd.grad(losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True)
-    return {id(p): DenseGrads(g if g is not None else p.new_zeros(n, *p.shape)) for p, g in zip(params, grads)}
+    out = [p.new_empty(n, *p.shape) for p in params]
+    size = samples_per_chunk(sum(p.numel() for p in params))
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        rows = scale * torch.eye(n, dtype=losses.dtype, device=losses.device)[start:stop]
+        grads = torch.autograd.grad(
+            losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True
+        )
+        for values, g in zip(out, grads):
+            values[start:stop] = 0 if g is None else g
+    return {id(p): DenseGrads(values) for p, values in zip(params, out)}
 
 
 def refuse_reentrant_checkpoints(losses):

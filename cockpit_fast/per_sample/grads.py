@@ -81,6 +81,11 @@ class PerSampleGrads:
         """All N gradients as one ``(N, *shape)`` tensor."""
         return self.dense_range(0, self.batch_size)
 
+    def magnitude(self):
+        """The absolute values of the terms ``grad`` sums, added up entry by entry (at least
+        ``sum_n |G_n|``): the scale of its rounding, for checking it against another sum."""
+        return sum(chunk.abs().sum(0) for chunk in self.chunks())
+
     def add_range_to(self, out, start, stop):
         """Adds the gradients of samples ``start`` to ``stop`` to ``out``, ``(stop - start, *shape)``."""
         out += self.dense_range(start, stop)
@@ -129,6 +134,9 @@ class DenseGrads(PerSampleGrads):
 
     def dense_range(self, start, stop):
         return self.values[start:stop]
+
+    def magnitude(self):
+        return self.values.abs().sum(0)
 
     def stats(self, p_values):
         return stats_in_groups(self.values, p_values)
@@ -179,6 +187,9 @@ class FactoredGrads(PerSampleGrads):
     def dense_range(self, start, stop):
         left, right = self.left[start:stop], self.right[start:stop]
         return (left.transpose(1, 2) @ right).reshape(-1, *self.shape)
+
+    def magnitude(self):
+        return (self.left.flatten(0, 1).abs().T @ self.right.flatten(0, 1).abs()).reshape(self.shape)
 
     def batch_l2(self, force=False):
         left, right = _acc(self.left), _acc(self.right)
@@ -268,6 +279,16 @@ class ConvGrads(PerSampleGrads):
         )
         return grad.reshape(c, *self.shape)
 
+    def magnitude(self):
+        # The weight gradient of the absolute values: every product |g| |x| the gradient sums.
+        zeros = [0] * len(self.stride)
+        weight = self.input.new_empty(self.shape)  # read for its shape only
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            self.output_grad.abs(), self.input.abs(), weight, None, self.stride, zeros, self.dilation, False, zeros,
+            self.groups, [False, True, False],
+        )
+        return grad
+
 
 class RowGrads(PerSampleGrads):
     """Gradients of an embedding table (V, D): each sample touches a few rows.
@@ -305,6 +326,9 @@ class RowGrads(PerSampleGrads):
     @cached_property
     def grad(self):
         return self.rows.new_zeros(self.shape).index_add_(0, self.indices, self.rows)
+
+    def magnitude(self):
+        return self.rows.new_zeros(self.shape).index_add_(0, self.indices, self.rows.abs())
 
     FRESH_RANGES = True
 
@@ -368,6 +392,9 @@ class SummedGrads(PerSampleGrads):
     @cached_property
     def grad(self):
         return sum(part.grad for part in self.parts)
+
+    def magnitude(self):
+        return sum(part.magnitude() for part in self.parts)
 
     FRESH_RANGES = True
 

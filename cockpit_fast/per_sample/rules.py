@@ -21,11 +21,16 @@ _RULES = {}
 _RULES_BY_NAME = {}  # "module.QualName" -> rule, for classes of packages we do not import
 
 
-def register_rule(*module_types):
+def register_rule(*module_types, raw=False):
     """File the decorated function as the rule of ``module_types`` (types, or qualified names
-    such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages)."""
+    such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages).
+
+    ``raw``: the rule takes the call as it was, ``rule(module, args, kwargs, output_grads,
+    sample_dim)``, every tensor output's gradient (None where one got none) and the samples
+    where the call has them (modules of several outputs or inputs, such as recurrent layers)."""
 
     def register(rule):
+        rule.raw = raw
         for module_type in module_types:
             if isinstance(module_type, str):
                 _RULES_BY_NAME[module_type] = rule
@@ -164,9 +169,14 @@ def mixes_samples(module):
 
 @register_rule(nn.modules.batchnorm._BatchNorm)
 def batch_norm(module, inputs, output_grad):
-    if mixes_samples(module):
-        return None
+    # In training mode the batch's statistics normalise: exact where the engine proved this
+    # call's output gradient each sample's own (nothing downstream mixes samples).
     x = inputs[0]
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    normalized = (x - module.running_mean.reshape(shape)) * torch.rsqrt(module.running_var.reshape(shape) + module.eps)
+    if mixes_samples(module):
+        dims = [0, *range(2, x.dim())]
+        mean, var = x.mean(dims, keepdim=True), x.var(dims, unbiased=False, keepdim=True)
+    else:
+        mean, var = module.running_mean.reshape(shape), module.running_var.reshape(shape)
+    normalized = (x - mean) * torch.rsqrt(var + module.eps)
     return _affine(module, normalized, output_grad, channel_dim=1)

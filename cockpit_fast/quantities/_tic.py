@@ -1,7 +1,7 @@
 """What the two Takeuchi information criterion quantities share."""
 
-from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
-from cockpit_fast.quantities._curvature import check_curvature, curvature_extension
+from cockpit_fast.statistics import SUM_GRAD_SQUARED, flatten
+from cockpit_fast.quantities._curvature import check_curvature, curvature_extension, diagonal_curvature
 from cockpit_fast.quantities.quantity import FastQuantity
 
 
@@ -34,4 +34,4 @@ class TIC(FastQuantity):
         """B · sum_n grad_batch_n² and the diagonal curvature, both flattened."""
         batch_size = ctx.info("batch_size", self)
         second_moment = batch_size * flatten(ctx.per_param(SUM_GRAD_SQUARED))
-        return second_moment, flatten(ctx.curvature(self._curvature))
+        return second_moment, flatten(diagonal_curvature(ctx, self._curvature, self))

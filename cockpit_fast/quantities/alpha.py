@@ -7,9 +7,16 @@ import numpy as np
 import torch
 
 from cockpit_fast import ops
-from cockpit_fast._step import DOT_MEAN_GRAD, GRAD_BATCH, Projection
+from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
-from cockpit_fast.quantities.quantity import Deferred, FastQuantity, StepCache
+from cockpit_fast.quantities.quantity import (
+    Deferred,
+    FastQuantity,
+    StepCache,
+    plain_state,
+    restored_per_param,
+    restored_state,
+)
 
 
 class Alpha(FastQuantity):
@@ -80,6 +87,13 @@ class Alpha(FastQuantity):
         if self.is_start(step):
             self._starts.get(step).observe(ctx, self)
 
+    def state_dict(self):  # the starts waiting for their ends
+        return {**super().state_dict(), "starts": self._starts.state_dict(_StartPoint.state_dict)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        self._starts.load_state_dict(state["starts"], lambda start: _StartPoint.restored(start, params))
+
     def _fit(self, ctx, start):
         directions = [start.directions[i] for i in range(len(ctx.params))]
         update_size = torch.sqrt(sum((d**2).sum() for d in directions))
@@ -106,6 +120,13 @@ class _Observation:
         self.loss_variance = ctx.info("individual_losses", quantity).detach().var()
         self.batch_size = ctx.info("batch_size", quantity)
         self.dots = dots  # <grad_batch_n, update>, i.e. <∇ℓ_n, update> / N
+
+    @classmethod
+    def restored(cls, state, device):
+        """The observation whose ``vars()`` were saved as ``state``, its tensors on ``device``."""
+        observation = cls.__new__(cls)  # __init__ reads a step being tracked
+        vars(observation).update(restored_state(state, device))
+        return observation
 
     def projected_gradient(self, update_size):
         """Mean and sample variance of the individual gradients projected on the update."""
@@ -168,6 +189,35 @@ class _StartPoint:
         if not self.sgd:
             self.params = [p.detach().clone() for p in ctx.params]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
+
+    def state_dict(self):
+        """What the end needs, in plain types and CPU tensors (the learning rates served
+        :meth:`observe` alone, which has run by then)."""
+        observed = self.observation is not None
+        state = {
+            "sgd": self.sgd,
+            "directions": self.directions,
+            "observation": vars(self.observation) if observed else None,
+            "rank_sizes": self.rank_sizes if observed else None,
+            "rank_share": self.rank_share if observed else None,
+            "params": self.params,
+            "grad_batch": self.grad_batch,
+        }
+        return plain_state(state)
+
+    @classmethod
+    def restored(cls, state, params):
+        """The start saved by :meth:`state_dict`, its tensors on the devices of ``params``."""
+        start = cls(None)
+        start.sgd = state["sgd"]
+        start.directions = {i: restored_state(d, params[i].device) for i, d in state["directions"].items()}
+        if state["observation"] is not None:
+            start.observation = _Observation.restored(state["observation"], params[0].device)
+            start.rank_sizes, start.rank_share = state["rank_sizes"], state["rank_share"]
+        if state["params"] is not None:
+            start.params = restored_per_param(state["params"], params)
+            start.grad_batch = restored_per_param(state["grad_batch"], params)
+        return start
 
 
 def _alpha(update_size, losses, projected_gradients, loss_variances, gradient_variances):

@@ -4,7 +4,7 @@ import struct
 
 import torch
 
-from cockpit_fast._step import GRAD_ABS_MAX
+from cockpit_fast.statistics import GRAD_ABS_MAX
 from cockpit_fast._validation import check_range
 
 

@@ -1,6 +1,6 @@
 """CABS batch size suggestion."""
 
-from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
+from cockpit_fast.statistics import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities._optim import require_plain_sgd, single_learning_rate
 from cockpit_fast.quantities.quantity import FastQuantity
 

@@ -1,6 +1,6 @@
 """Distance of the parameters from their initial values."""
 
-from cockpit_fast.quantities.quantity import FastQuantity
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_per_param
 from cockpit_fast.quantities.update_size import layerwise_distance
 
 
@@ -29,3 +29,11 @@ class Distance(FastQuantity):
             if self._initial is None:
                 raise RuntimeError(f"Distance needs step {self.INIT_GLOBAL_STEP} to be tracked by the cockpit")
             self._store(ctx.global_step, layerwise_distance(ctx.params, self._initial))
+
+    def state_dict(self):
+        return {**super().state_dict(), "initial": plain_state(self._initial)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        initial = state["initial"]
+        self._initial = None if initial is None else restored_per_param(initial, params)

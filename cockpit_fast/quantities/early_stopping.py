@@ -1,6 +1,6 @@
 """Evidence-based early stopping criterion."""
 
-from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
+from cockpit_fast.statistics import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities._optim import require_plain_sgd
 from cockpit_fast.quantities.quantity import FastQuantity
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from cockpit_fast._step import Hist1d
+from cockpit_fast.statistics import Hist1d
 from cockpit_fast.quantities.bin_adaptation import NoAdaptation
-from cockpit_fast.quantities.quantity import FastQuantity
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state
 
 
 class GradHist1d(FastQuantity):
@@ -46,6 +46,13 @@ class GradHist1d(FastQuantity):
         super().track(ctx)
         if self._adapt.should_compute(ctx.global_step):
             self._range = tuple(self._adapt.new_range(ctx, self._range, self._bins))
+
+    def state_dict(self):  # the range where bin adaptation left it
+        return {**super().state_dict(), "range": plain_state(self._range)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        self._range = tuple(restored_state(state["range"]))
 
     def _compute(self, ctx):
         hist = ctx.summed(self._histogram()).double()

@@ -2,9 +2,9 @@
 
 import torch
 
-from cockpit_fast._step import Hist2d
+from cockpit_fast.statistics import Hist2d
 from cockpit_fast.quantities.bin_adaptation import NoAdaptation
-from cockpit_fast.quantities.quantity import FastQuantity
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state
 
 
 class GradHist2d(FastQuantity):
@@ -62,6 +62,13 @@ class GradHist2d(FastQuantity):
         for axis, adapt in enumerate(self._adapt):
             if adapt.should_compute(ctx.global_step):
                 self._range[axis] = tuple(adapt.new_range(ctx, self._range[axis], self._bins[axis]))
+
+    def state_dict(self):  # the ranges where bin adaptation left them
+        return {**super().state_dict(), "range": plain_state(self._range)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        self._range = [tuple(axis) for axis in restored_state(state["range"])]
 
     def _compute(self, ctx):
         hists = ctx.per_param(self._histogram())

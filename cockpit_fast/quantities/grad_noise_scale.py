@@ -5,8 +5,8 @@ import warnings
 
 import torch
 
-from cockpit_fast._step import BATCH_L2
-from cockpit_fast.quantities.quantity import FastQuantity
+from cockpit_fast.statistics import BATCH_L2
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state
 
 
 class GradNoiseScale(FastQuantity):
@@ -57,6 +57,23 @@ class GradNoiseScale(FastQuantity):
 
     def statistics(self, ctx):
         return {BATCH_L2} if self.should_compute(ctx.global_step) else set()
+
+    def state_dict(self):
+        averages = {
+            "ema_trace_sigma": self._ema_trace_sigma,
+            "ema_grad_sq": self._ema_grad_sq,
+            "ema_steps": self._ema_steps,
+            "warned_single_sample": self._warned_single_sample,
+        }
+        return {**super().state_dict(), **plain_state(averages)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        device = params[0].device  # where the statistics are summed
+        self._ema_trace_sigma = restored_state(state["ema_trace_sigma"], device)
+        self._ema_grad_sq = restored_state(state["ema_grad_sq"], device)
+        self._ema_steps = state["ema_steps"]
+        self._warned_single_sample = state["warned_single_sample"]
 
     def _compute(self, ctx):
         batch_l2 = torch.stack(ctx.per_param(BATCH_L2))  # (P, N): ||∇ℓ_n / N||² per parameter

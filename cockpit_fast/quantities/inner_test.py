@@ -1,6 +1,6 @@
 """Inner product test for the mini-batch size."""
 
-from cockpit_fast._step import DOT_MEAN_GRAD
+from cockpit_fast.statistics import DOT_MEAN_GRAD
 from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 

@@ -1,6 +1,6 @@
 """Mean gradient signal-to-noise ratio."""
 
-from cockpit_fast._step import SUM_GRAD_SQUARED, flatten
+from cockpit_fast.statistics import SUM_GRAD_SQUARED, flatten
 from cockpit_fast.quantities.quantity import FastQuantity
 
 

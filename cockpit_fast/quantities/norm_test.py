@@ -1,6 +1,6 @@
 """Norm test for the mini-batch size."""
 
-from cockpit_fast._step import BATCH_L2
+from cockpit_fast.statistics import BATCH_L2
 from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 

@@ -1,6 +1,6 @@
 """Orthogonality test for the mini-batch size."""
 
-from cockpit_fast._step import BATCH_L2, DOT_MEAN_GRAD
+from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD
 from cockpit_fast.quantities.quantity import FastQuantity, samples_for_variance
 
 

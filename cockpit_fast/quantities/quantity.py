@@ -4,6 +4,10 @@
 :class:`SingleStepQuantity`, :class:`TwoStepQuantity` and :class:`ByproductQuantity` keep Cockpit
 1.0.2's contract, so that a quantity written for Cockpit runs unchanged once its import names this
 module.
+
+Each quantity's ``state_dict()`` / ``load_state_dict()`` hold what it carries from step to step,
+in plain types and CPU tensors (:func:`plain_state`), for
+:meth:`cockpit_fast.cockpit.Cockpit.state_dict`.
 """
 
 from collections import defaultdict
@@ -19,7 +23,7 @@ class FastQuantity:
     the base of the built-in quantities, and what users subclass to write a fast quantity.
 
     A quantity tells the cockpit, before the backward pass, which per-parameter statistics
-    (:mod:`cockpit_fast._step`) and extra BackPACK extensions it needs, and turns them into its
+    (:mod:`cockpit_fast.statistics`) and extra BackPACK extensions it needs, and turns them into its
     value in :meth:`track` afterwards. Values stay tensors on the device until
     :meth:`get_output` converts them to Cockpit's output types (floats, lists, numpy arrays).
 
@@ -116,6 +120,27 @@ class FastQuantity:
         """Turn a stored value into its output form; quantities may override."""
         return to_output(value)
 
+    def state_dict(self):
+        """What this quantity carries from step to step, in plain types and CPU tensors
+        (:func:`plain_state`): here the output recorded so far. Values waiting on the device are
+        converted to output first (their output does not depend on when).
+
+        A quantity that keeps more across steps overrides this and :meth:`load_state_dict`,
+        adding its own entries to those of ``super()``.
+        """
+        return {"output": plain_state(self.get_output())}
+
+    def load_state_dict(self, state, params):
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state (dict): This quantity's :meth:`state_dict`.
+            params (list[torch.Tensor]): The cockpit's tracked parameters; restored tensors go to
+                their devices.
+        """
+        self._pending = {}
+        self._output = restored_state(state["output"])
+
 
 class Deferred:
     """A value whose final arithmetic waits until output is read, to keep it off the hot path.
@@ -174,6 +199,77 @@ def _same_kind_scalars(values):
     return len(kinds) == 1 and None not in kinds
 
 
+STATE_VERSION = 1
+"""Version of the layout of :meth:`cockpit_fast.cockpit.Cockpit.state_dict` and the quantities'
+state dicts: a state dict of another version is refused, not misread."""
+
+_NUMPY_ARRAY, _NUMPY_SCALAR = "__numpy_array__", "__numpy_scalar__"
+
+
+def plain_state(value):
+    """``value`` in the types ``torch.load(weights_only=True)`` reads back: tensors copied to the
+    CPU (sharing nothing with the live ones), NumPy arrays and scalars as tensors tagged
+    ``{"__numpy_array__": tensor}`` / ``{"__numpy_scalar__": tensor}``, lists, tuples and dicts
+    item by item. :func:`restored_state` undoes it.
+
+    Raises:
+        TypeError: For a value of another type, or a NumPy dtype torch has no tensors of.
+        ValueError: For a dict whose only key is one of the tags (it would read back as NumPy).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (numpy.ndarray, numpy.generic)):  # before float: numpy.float64 is one
+        tag = _NUMPY_ARRAY if isinstance(value, numpy.ndarray) else _NUMPY_SCALAR
+        try:  # a C-ordered copy: torch.from_numpy shares memory and wants it writable
+            return {tag: torch.from_numpy(numpy.array(value, order="C"))}
+        except TypeError:
+            raise TypeError(f"cannot save a NumPy value of dtype {value.dtype} in a state dict") from None
+    if isinstance(value, list):
+        return [plain_state(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_state(v) for v in value)
+    if isinstance(value, dict):
+        if _numpy_tag(value) is not None:
+            raise ValueError(f"cannot save a dict whose only key is {next(iter(value))!r}: it marks a NumPy value")
+        return {key: plain_state(v) for key, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"cannot save a {type(value).__name__} in a state dict: a quantity keeping one overrides state_dict"
+    )
+
+
+def restored_state(value, device=None):
+    """Undo :func:`plain_state`: NumPy values back, tensors copied to ``device`` (None: the CPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device or "cpu", copy=True)
+    if isinstance(value, dict):
+        tag = _numpy_tag(value)
+        if tag is not None:
+            array = value[tag].numpy()
+            return array[()] if tag == _NUMPY_SCALAR else array
+        return {key: restored_state(v, device) for key, v in value.items()}
+    if isinstance(value, list):
+        return [restored_state(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(restored_state(v, device) for v in value)
+    return value
+
+
+def restored_per_param(values, params):
+    """:func:`restored_state` of one value per tracked parameter, each on its parameter's device."""
+    return [restored_state(value, param.device) for value, param in zip(values, params)]
+
+
+def _numpy_tag(state):
+    """The tag of a dict :func:`plain_state` made of a NumPy value, else None."""
+    if len(state) == 1:
+        key = next(iter(state))
+        if key in (_NUMPY_ARRAY, _NUMPY_SCALAR):
+            return key
+    return None
+
+
 class StepCache:
     """Values kept from one step for a later one, keyed by the step that produced them."""
 
@@ -197,6 +293,15 @@ class StepCache:
         for old in [s for s in self._entries if s < step]:
             del self._entries[old]
 
+    def state_dict(self, save):
+        """``{step: save(value)}`` of the values kept."""
+        return {step: save(value) for step, value in self._entries.items()}
+
+    def load_state_dict(self, state, restore):
+        """Keep ``restore(value)`` for each ``{step: value}`` of ``state`` (what :meth:`state_dict`
+        returned), and nothing else."""
+        self._entries = {step: restore(value) for step, value in state.items()}
+
 
 class Quantity(FastQuantity):
     """Cockpit 1.0.2's ``Quantity`` contract on cockpit_fast's cockpit: the base of
@@ -209,6 +314,10 @@ class Quantity(FastQuantity):
     them after tracking), and reads ``info`` through :mod:`cockpit_fast.context`. Values are
     stored in :attr:`output` as Cockpit stores them (tensors become numpy arrays at once). Under
     ``torch.distributed`` it sees its own process's batch, loss and buffers.
+
+    Its :meth:`state_dict` holds :attr:`output` (a :class:`TwoStepQuantity`'s, only while nothing
+    is cached for a later step): attributes a subclass adds are its own, and one that carries them
+    across steps overrides ``state_dict`` / ``load_state_dict`` to save them, extending ``super()``'s.
     """
 
     READS_BATCH = False  # it reads BackPACK's buffers, not the cockpit's combined statistics
@@ -270,6 +379,10 @@ class Quantity(FastQuantity):
     def get_output(self):
         """``{step: value}`` of what was stored."""
         return self.output
+
+    def load_state_dict(self, state, params):
+        """Restore :attr:`output` from :meth:`state_dict` (see :meth:`FastQuantity.load_state_dict`)."""
+        self.output = defaultdict(dict, restored_state(state["output"]))
 
     # Cockpit's readers of the buffers BackPACK leaves on the parameters. ``aggregate`` joins
     # the parameters: vectors are concatenated, per-sample values summed.
@@ -386,6 +499,26 @@ class TwoStepQuantity(Quantity):
 
     def is_end(self, global_step):
         raise NotImplementedError
+
+    def state_dict(self):
+        """As :meth:`Quantity.state_dict`, between steps whose cache is empty.
+
+        Raises:
+            RuntimeError: While values are cached for a later step: their ``block_fn`` are code,
+                not state. Save where no start waits for its end, or override ``state_dict`` /
+                ``load_state_dict`` to save the values and rebuild their block functions.
+        """
+        if self._cache:
+            raise RuntimeError(
+                f"{type(self).__name__} holds values cached at steps {sorted(self._cache)} for a later step, "
+                "whose block_fn cannot be saved: save at a step where nothing is cached, or override "
+                "state_dict and load_state_dict"
+            )
+        return super().state_dict()
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        self._cache = defaultdict(dict)  # empty when saved
 
     def compute(self, global_step, params, batch_loss):
         """The value (None on a step that only starts), stored under ``global_step -

@@ -2,7 +2,7 @@
 
 import torch
 
-from cockpit_fast.quantities.quantity import FastQuantity, StepCache
+from cockpit_fast.quantities.quantity import FastQuantity, StepCache, plain_state, restored_per_param
 
 
 def layerwise_distance(params, reference):
@@ -34,3 +34,10 @@ class UpdateSize(FastQuantity):
             self._store(step - 1, layerwise_distance(ctx.params, start))
         if self._track_schedule(step):
             self._start.put(step, [p.detach().clone() for p in ctx.params])
+
+    def state_dict(self):
+        return {**super().state_dict(), "start": self._start.state_dict(plain_state)}
+
+    def load_state_dict(self, state, params):
+        super().load_state_dict(state, params)
+        self._start.load_state_dict(state["start"], lambda copies: restored_per_param(copies, params))

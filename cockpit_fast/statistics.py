@@ -1,5 +1,10 @@
 """What one tracked training step shares: its context, the statistics it asks for, and their computation.
 
+The public API of custom quantities that read per-sample statistics: a quantity's
+``statistics(ctx)`` names what it needs (:data:`BATCH_L2`, :class:`Hist1d`, :class:`Projection`,
+...) and its ``compute`` reads the values from the :class:`StepContext` (``ctx.per_param``,
+``ctx.summed``).
+
 Quantities never read per-sample gradients themselves. Before the backward pass each one names
 the per-parameter *statistics* it needs (hashable keys, so two quantities asking for the same
 histogram or the same norms share one computation). After the backward pass
@@ -449,6 +454,8 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
     if from_chunks:
         parts = defaultdict(list)
         for chunk in form.chunks():
+            if chunk.dtype != param.dtype and param.is_floating_point():
+                chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
             chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route)
             for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
                 parts[statistic].append(value)

@@ -1,0 +1,360 @@
+"""The per-sample engine's front door: which route gives each tracked parameter its exact
+per-sample gradients, decided here for the cockpit and the collector alike.
+
+Routes, cheapest first:
+
+* module-local: the calls the :class:`~.capture.Capture` recorded, by the module's rule or a
+  replay of the one call (:mod:`.capture`, :mod:`.rules`, :mod:`.generic`);
+* the whole graph: one batched backward pass of every sample's own loss, a chunk of samples at
+  a time (:func:`.generic.whole_graph_grads`), for what no call gives exactly.
+
+A module-local route is exact when the call's output gradient holds each sample's own gradient
+and the parameter is used inside its module's calls only. Both are checked on the first step,
+and again whenever a call of a module not checked before appears:
+
+* the proof that each call tells its samples apart (:func:`.capture.mixed_calls`: calls upstream
+  of a batch norm in training mode, or shared by every sample, fail it);
+* the sum check: each parameter's per-sample gradients add up to its gradient, within what
+  rounding explains (a sum of terms whose absolute values add up to ``s`` is exact to a few
+  ``eps * s``: a gradient that is zero in exact arithmetic passes).
+
+Where every sample's own loss is at hand, a parameter that fails a check takes the whole graph
+(the engine warns once, naming it and why; :meth:`Engine.routes` reports every parameter's
+route); without them a failed check is an error that names the parameter and the cause.
+"""
+
+import contextlib
+import warnings
+import weakref
+
+import torch
+
+from cockpit_fast.per_sample import routed, shared
+from cockpit_fast.per_sample.capture import Capture, mixed_calls
+from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
+from cockpit_fast.per_sample.grads import HookedGrads
+
+SUM_CHECK_SLACK = 16
+"""The sum check allows ``SUM_CHECK_SLACK * eps * s``: ``s`` the absolute values of the terms
+summed, ``eps`` the machine epsilon of the less precise of the two sums' dtypes."""
+
+
+class Engine:
+    """Per-sample gradients of ``params``, by the cheapest exact route for each.
+
+    Args:
+        params (list[torch.Tensor]): The tracked parameters. Its capture watches module calls
+            from now on.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        if torch._functorch.config.donated_buffer:
+            # The engine's own backward passes keep the graph, which a backward compiled with
+            # donated buffers refuses: compile without them, and again what was compiled with.
+            torch._functorch.config.donated_buffer = False
+            torch._dynamo.reset()
+        self.capture = Capture(self.params)
+        self._checked = weakref.WeakSet()  # modules whose calls took the checks
+        self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
+        self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
+        self._guessed = weakref.WeakSet()  # modules whose rows the proof showed sample-major (routed.regroup)
+        self._outside = {}  # id(param) -> why it takes the whole graph (a failed sum check)
+        self._unused = set()  # ids of parameters the checks' backward pass did not reach
+        self._routes = {}  # id(param) -> its route at the last step
+        self._warned = set()
+
+    def begin(self, losses, scale, batch_size=None, loss=None):
+        """Before the backward pass whose per-sample gradients are wanted: checks the calls not
+        checked before and forms what takes the whole graph, while the graph is whole.
+
+        Args:
+            losses (torch.Tensor, optional): Every sample's own loss, ``(N,)`` or ``(N, 1)``,
+                with its graph; None where the caller has none (module-local routes only).
+            scale (float): The backward pass's weight of each sample's loss (``1 / N`` for a
+                mean loss): the forms are in its units.
+            batch_size (int, optional): N as the caller knows it; by default the losses'.
+            loss (torch.Tensor, optional): Where the backward pass starts, checked for what no
+                per-sample route sees into (where there are no ``losses`` to check).
+
+        Returns:
+            _Pass: to hand to :meth:`end` after the backward pass.
+        """
+        losses = _sample_losses(losses)
+        if losses is not None:
+            batch_size = losses.shape[0] if batch_size is None else batch_size
+        tracked = [p for p in self.params if p.requires_grad]
+        calls = self.capture.calls()
+        unchecked = any(call.module not in self._checked for call in calls)
+        if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
+            # Rows taken sample-major where the graph does not tell: on steps that prove it, or as proven.
+            proven = lambda call: losses is not None and (unchecked or call.module in self._guessed)  # noqa: E731
+            routed.regroup(calls, batch_size, guess=proven)
+        start = losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
+        if unchecked and start is not None:
+            refuse_reentrant_checkpoints(start)
+        root = None if start is None else start.grad_fn
+        step = _Pass()
+        try:
+            shared = [call for call in calls if call.module in self._shared and not call.shared]
+            self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
+            if losses is not None and unchecked and losses.shape[0] > 0:
+                step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
+                return step
+            whole = self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
+            step.forms = self._whole_graph(losses, tracked, whole, scale)
+        except BaseException:
+            step.release()
+            raise
+        self.capture.arm()
+        step.armed, step.check = True, unchecked
+        return step
+
+    def end(self, step, grads=None, failed=False):
+        """After the backward pass: ``{id(param): form}`` of every tracked parameter it reached.
+
+        Args:
+            step (_Pass): What :meth:`begin` returned.
+            grads (dict, optional): ``id(param)`` -> the gradient the backward pass gave, for the
+                sum check where :meth:`begin` could not check (no individual losses).
+            failed (bool): The backward pass raised: only disarm.
+        """
+        step.release()
+        if not step.armed:
+            return step.forms
+        found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
+        if failed:
+            return {}
+        if step.check:
+            wrong = self._sums_wrong(found, grads or {})
+            if wrong:
+                raise ValueError(
+                    f"the per-sample gradients of {self._describe(wrong)} do not add up to their gradient: "
+                    "they are used outside the forward pass of the module that owns them (a functional use in "
+                    "another module's forward, say). Hand in info['individual_losses'] with their graph (they "
+                    "then take the exact route through the whole graph), or track without them"
+                )
+            self._checked.update(call.module for call, _ in fired)
+        self._record_routes(fired, step.forms)
+        return {**found, **step.forms}
+
+    def per_sample(self, losses, scale=1.0):
+        """``{id(param): form}`` of every sample's own loss, from a backward pass of its own
+        (the collector's route). The graph is kept."""
+        losses = _sample_losses(losses)
+        step = self.begin(losses, scale)
+        if not step.armed:
+            return step.forms
+        tracked = [p for p in self.params if p.requires_grad]
+        try:
+            with user_hooks_set_aside(tracked):
+                grads = torch.autograd.grad(
+                    losses, tracked, torch.full_like(losses, scale), retain_graph=True, allow_unused=True
+                )
+        except BaseException:
+            self.end(step, failed=True)
+            raise
+        return self.end(step, {id(p): g for p, g in zip(tracked, grads) if g is not None})
+
+    def routes(self):
+        """``{name: route}`` of every tracked parameter at the last step with per-sample gradients
+        (``"not reached"`` where that step's backward pass did not reach it)."""
+        names = self._names()
+        return {names[id(p)]: self._routes.get(id(p), "not reached") for p in self.params}
+
+    def _checked_forms(self, losses, tracked, scale, calls, batch_size, handles):
+        """The checks, on a backward pass of ``losses`` weighted by ``scale`` that forms every
+        call's parameters, then one more weighted at random (the proof); what passes keeps the
+        forms of the first, the rest take the whole graph. Calls that fail as made once for
+        every sample are checked again taken apart where their output is broadcast."""
+        weights = torch.full_like(losses, scale)
+        for attempt in range(2):
+            self.capture.arm()  # (reading the user's hooks, applied to each sample's gradient)
+            try:
+                with user_hooks_set_aside(tracked):  # the engine's own passes are not the user's step
+                    grads = torch.autograd.grad(losses, tracked, weights, retain_graph=True, allow_unused=True)
+            finally:
+                found, fired = self.capture.disarm()
+            with user_hooks_set_aside(tracked):
+                mixed = mixed_calls(self.capture, losses, tracked, weights, reference=fired)
+            unsure = [c for c in calls if not c.shared and (c in mixed or c.batch_size != batch_size)]
+            if attempt or not unsure:
+                break
+            self._share(unsure, losses.grad_fn, batch_size, handles)
+            if not any(call.shared for call in unsure):  # none to check again
+                break
+        self._mixed.update(call.module for call in mixed)
+        self._shared.update(call.module for call in calls if call.shared and call not in mixed)
+        guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
+        self._guessed.update(call.module for call in guessed if call not in mixed)
+        self._checked.update(call.module for call in calls)
+        self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
+        whole = self._whole_graph_needs(calls, tracked, batch_size, True)
+        given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
+        for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given):
+            self._outside[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
+            whole[key] = self._outside[key]
+        forms = {key: form for key, form in found.items() if key not in whole}
+        forms.update(self._whole_graph(losses, tracked, whole, scale))
+        self._record_routes(fired, whole)
+        return forms
+
+    def _share(self, calls, root, batch_size, handles):
+        """Takes apart ``calls`` made once for every sample where their output is broadcast
+        (:mod:`.shared`), adding the hooks to ``handles``; returns those in this backward pass's
+        graph that cannot be (calls of an earlier graph the user keeps are no part of it)."""
+        if not calls or root is None or batch_size is None:
+            return calls
+        found = shared.frontiers(root, calls, batch_size)
+        for call, adds in found.items():
+            if adds is not None:
+                call.share(batch_size)
+                handles.extend(shared.install(adds, call, self.capture.fire_broadcast))
+        return [call for call, adds in found.items() if adds is None]
+
+    def _whole_graph_needs(self, calls, tracked, batch_size, has_losses):
+        """``{id(param): why}`` of the parameters no module call gives exactly."""
+        needs, covered = {}, set()
+        for call in calls:
+            ids = {id(p) for p in call.params.values()}
+            covered |= ids
+            why = None
+            if batch_size is not None and call.batch_size != batch_size:
+                why = f"its calls of {type(call.module).__name__} do not hold the batch's samples along their sample dimension"
+            elif call.module in self._mixed:
+                why = (
+                    f"the samples of its calls of {type(call.module).__name__} cannot be told apart (upstream of "
+                    "modules whose samples interact, or one call shared by every sample)"
+                )
+            elif call.replays_randomness():
+                why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
+            if why is not None:
+                needs.update(dict.fromkeys(ids, why))
+        for p in tracked:
+            if id(p) in self._outside:
+                needs.setdefault(id(p), self._outside[id(p)])
+            elif id(p) not in covered and id(p) not in self._unused and has_losses:  # unused: per_param() tells
+                needs.setdefault(id(p), "no module call used it (used before the cockpit was made?)")
+        if self.capture.mixing and not has_losses:
+            names = ", ".join(sorted({type(m).__name__ for m in self.capture.mixing}))
+            raise ValueError(
+                f"per-sample gradients where samples interact ({names} in training mode) need every sample's own "
+                "loss: hand in info['individual_losses'] with their graph (computed from the model's output, not "
+                "detached)"
+            )
+        if needs and not has_losses:
+            raise ValueError(
+                f"per-sample gradients of {self._describe(needs)} need every sample's own loss "
+                f"({next(iter(needs.values()))}): hand in info['individual_losses'] with their graph (computed "
+                "from the model's output, not detached)"
+            )
+        return needs
+
+    def _whole_graph(self, losses, tracked, needs, scale):
+        """The whole-graph forms of the parameters in ``needs``, saying once why they take it."""
+        if not needs:
+            return {}
+        self._warn_once(needs)
+        params = [p for p in tracked if id(p) in needs]
+        return whole_graph_grads(losses, params, scale)
+
+    def _sums_wrong(self, forms, grads):
+        """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``)."""
+        # The user's hooks change each sample's gradient, so theirs are not checked.
+        pairs = {key: (form, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)}
+        magnitudes = {key: form.magnitude() for key, (form, _) in pairs.items()}
+        floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
+        return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
+
+    def _record_routes(self, fired, whole):
+        routes = {}
+        for call, _ in fired:
+            for name, p in call.params.items():
+                routes.setdefault(id(p), call.route_of(name))
+        for key in whole:
+            routes[key] = "whole graph"
+        self._routes = routes
+
+    def _warn_once(self, needs):
+        by_reason = {}
+        for key, why in needs.items():
+            by_reason.setdefault(why, []).append(key)
+        for why, keys in by_reason.items():
+            message = (
+                f"cockpit_fast: {self._describe(keys)} take{'s' if len(keys) == 1 else ''} the whole-graph route "
+                f"(a batched backward pass of every sample's loss, slower than a module-local rule): {why}"
+            )
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _names(self):
+        """``id(param) -> name`` in the model the capture last saw, else by position."""
+        root = self.capture.root
+        names = {}
+        if root is not None:
+            for name, p in root.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), name)
+        for index, p in enumerate(self.params):
+            names.setdefault(id(p), f"parameter {index} (shape {tuple(p.shape)})")
+        return names
+
+    def _describe(self, keys):
+        names = self._names()
+        listed = [names.get(key, "?") for key in keys]
+        shown = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
+        return f"{len(listed)} tracked parameter{'s' if len(listed) != 1 else ''} ({shown})"
+
+
+class _Pass:
+    """What :meth:`Engine.begin` decided for one backward pass."""
+
+    def __init__(self):
+        self.forms = {}  # formed before the backward pass: whole graph, or the checks' pass
+        self.armed = False  # the capture keeps the calls the backward pass reaches
+        self.check = False  # the sums are checked after it (no individual losses to check before)
+        self.handles = []  # hooks on the graph for calls shared by every sample
+
+    def release(self):
+        """Removes the hooks on the graph (its later backward passes are not this step's)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _sample_losses(losses):
+    """``losses`` as ``(N,)`` with its graph, or None where there are none to backpropagate."""
+    if losses is None or not isinstance(losses, torch.Tensor) or losses.grad_fn is None:
+        return None
+    return losses.reshape(-1)
+
+
+def adds_up(form, grad, magnitude, floor=0.0):
+    """Whether ``form``'s per-sample gradients add up to ``grad`` within what rounding explains:
+    ``SUM_CHECK_SLACK * eps`` times the absolute values summed (``magnitude``, the form's
+    :meth:`~.grads.PerSampleGrads.magnitude`), entry by entry, and at least times ``floor``:
+    the largest such sum in the model, for entries whose terms were summed before the form
+    saw them (a bias's over positions) and cancel (a key projection's bias, zero in exact
+    arithmetic, is rounding noise of the model's gradient). Entries that are not finite in
+    both agree (a sample's NaN is its own)."""
+    summed = form.grad
+    eps = max(torch.finfo(summed.dtype).eps, torch.finfo(grad.dtype).eps)
+    wide = torch.promote_types(torch.promote_types(summed.dtype, grad.dtype), torch.float32)
+    summed, grad = summed.to(wide), grad.to(wide)
+    tolerance = SUM_CHECK_SLACK * eps * magnitude.to(wide).clamp(min=floor) + torch.finfo(wide).tiny
+    agree = ((summed - grad).abs() <= tolerance) | (~summed.isfinite() & ~grad.isfinite())
+    return bool(agree.all())
+
+
+@contextlib.contextmanager
+def user_hooks_set_aside(params):
+    """The user's hooks on ``params`` do not run in the engine's own backward passes (they run
+    once on the mini-batch gradient, and on each sample's gradient in the statistics)."""
+    kept = [(p, dict(p._backward_hooks)) for p in params if p._backward_hooks]
+    for p, _ in kept:
+        p._backward_hooks.clear()
+    try:
+        yield
+    finally:
+        for p, hooks in kept:
+            p._backward_hooks.update(hooks)

@@ -1,0 +1,127 @@
+"""Calls shared by every sample: their output's gradient, sample by sample, where it is broadcast.
+
+A module called once for the whole batch (T5's relative-attention-bias table looked up with
+position buckets, a learned query) gives an output without a dimension of samples; broadcasting
+adds it to each sample's tensors, and the backward pass sums the samples' gradients before they
+reach the output. They are still apart where the broadcast happens: the add's backward node
+receives ``(N, ...)``. A pre-hook on that node keeps each sample's rows, summed over the other
+broadcast dimensions, and takes them back to the output through the nodes between (a permute,
+an unsqueeze, a mask applied with ``where``: tensors still one for all, so each node's vjp is
+the same linear map for every sample, and ``vmap`` applies it to all rows at once). The call
+then has per-sample output gradients like any other and takes its module's rule.
+
+Uses through nodes with several outputs, or into anything but such adds, leave the call to the
+whole graph (:func:`frontiers`); the engine proves the result like every other call's.
+"""
+
+from collections import defaultdict
+
+import torch
+
+_VIEWS = {  # ops that keep a tensor one for all whatever its shape
+    "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
+    "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "SliceBackward0", "CloneBackward0",
+    "ToCopyBackward0", "AliasBackward0",
+}
+_BROADCASTS = {"AddBackward0", "SubBackward0"}
+
+
+CALL_TAG = "cockpit_fast_calls"
+"""Key of a backward node's metadata: weak references to the calls whose output it made."""
+
+
+def frontiers(root, calls, batch_size):
+    """``{call: [(node, chain)] or None}`` for the ``calls`` whose output is in the graph of
+    ``root`` (a backward node): the broadcasting adds its output reaches through nodes that
+    keep it one for all, each with those nodes from the add's side to the output's; None where
+    the output is used otherwise."""
+    consumers, targets = defaultdict(list), {}
+    wanted = {id(call) for call in calls}
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        for ref in node.metadata.get(CALL_TAG, ()):
+            call = ref()
+            if call is not None and id(call) in wanted:
+                targets[call] = node
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                consumers[nxt].append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+
+    def climb(node, chain, found, output_shape):
+        for consumer in dict.fromkeys(consumers[node]):
+            link = (consumer, [i for i, (nxt, _) in enumerate(consumer.next_functions) if nxt is node])
+            if type(consumer).__name__ in _BROADCASTS and _broadcasts_samples(consumer, chain, output_shape, batch_size):
+                found.append((consumer, chain))
+            elif _still_shared(consumer, batch_size):
+                if not climb(consumer, [link, *chain], found, output_shape):
+                    return False
+            else:
+                return False
+        return True
+
+    out = {}
+    for call, node in targets.items():
+        found = []
+        out[call] = found if climb(node, [], found, call.output_shapes[0]) and found else None
+    return out
+
+
+def _still_shared(node, batch_size):
+    """Whether ``node`` makes one tensor (its backward, linear in its gradient, the same for
+    every sample): a view, or an output without the samples along dimension 0. (A call's
+    samples are told apart by the engine's proof, whatever this guesses.)"""
+    if len(node._input_metadata) != 1:
+        return False
+    shape = node._input_metadata[0].shape
+    return type(node).__name__ in _VIEWS or len(shape) == 0 or shape[0] != batch_size
+
+
+def _broadcasts_samples(add, chain, output_shape, batch_size):
+    """Whether ``add`` broadcasts the shared tensor (one for all) to ``batch_size`` samples."""
+    result = list(add._input_metadata[0].shape)
+    shape = list(chain[0][0]._input_metadata[0].shape) if chain else list(output_shape)
+    padded = [1] * (len(result) - len(shape)) + shape
+    return len(padded) == len(result) and bool(result) and result[0] == batch_size and padded[0] == 1
+
+
+def per_sample_output_grads(chain, grad, batch_size, output_shape):
+    """The output's gradient of each sample ``(N, *output_shape)`` from ``grad``, what the
+    broadcasting add receives; None where it does not hold the samples along dimension 0."""
+    shape = list(chain[0][0]._input_metadata[0].shape) if chain else list(output_shape)
+    padded = [1] * (grad.dim() - len(shape)) + shape
+    if grad.dim() == 0 or grad.shape[0] != batch_size or len(padded) != grad.dim():
+        return None
+    summed = [d for d in range(1, grad.dim()) if padded[d] == 1 and grad.shape[d] != 1]
+    rows = (grad.sum(summed, keepdim=True) if summed else grad).reshape(batch_size, *shape)
+
+    def back(row):
+        for node, inputs in chain:  # each node's vjp, for the input the shared tensor came by
+            grads = node(row)
+            grads = grads if isinstance(grads, tuple) else (grads,)
+            row = sum(grads[i] for i in inputs)
+        return row
+
+    return torch.vmap(back)(rows) if chain else rows
+
+
+def install(found, call, fire):
+    """Pre-hooks on the broadcasting adds ``found`` (:func:`frontiers`) that hand
+    ``fire(call, [per-sample output gradient])`` what each receives; returns their handles."""
+    handles = []
+    for node, chain in found:
+
+        def hook(grads, chain=chain):
+            rows = per_sample_output_grads(chain, grads[0], call.batch_size, call.output_shapes[0][1:])
+            if rows is None:
+                raise RuntimeError(
+                    f"the output of the {type(call.module).__name__} call shared by every sample no longer reaches "
+                    "them along dimension 0 of a broadcasting add, as it did when the engine checked it"
+                )
+            fire(call, [rows])
+
+        handles.append(node.register_prehook(hook))
+    return handles

@@ -1,0 +1,279 @@
+"""The per-sample engine's front door (cockpit_fast.per_sample.engine) where users meet it: mixed
+precision, the shapes of ``individual_losses``, empty batches, LoRA, two cockpits, hooks, NaN,
+the routes it reports, against float64 per-sample gradients from torch.func."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from any_models import build, flat, oracle_grads
+from cockpit_fast import Cockpit, quantities
+from cockpit_fast.gradient_metrics import GradientMetricCollector
+from cockpit_fast.gradient_metrics import metrics as gm
+from cockpit_fast.utils.training import training_step
+
+N = 6
+EVERY = staticmethod(lambda step: True)
+
+
+def _norm_test(g):
+    """Cockpit's NormTest from per-sample gradients ``g`` (N, D) of each sample's own loss."""
+    n, mean = g.shape[0], g.mean(0)
+    mean_sq = (mean**2).sum()
+    return float((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _oracle(model, x, y, params=None):
+    twin = copy.deepcopy(model).double()
+    names = {id(p): name for name, p in model.named_parameters()}
+    twin_params = dict(twin.named_parameters())
+    chosen = [twin_params[names[id(p)]] for p in (params or list(model.parameters()))]
+    return flat(oracle_grads(twin, chosen, lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
+
+
+def _tracked(model, x, y, tracked, params=None, losses_of=None, autocast=None):
+    cockpit = Cockpit(params or list(model.parameters()), quantities=tracked)
+    model.zero_grad()
+    if autocast is None:
+        out = model(x)
+    else:
+        with torch.autocast("cpu", dtype=autocast):
+            out = model(x)
+    losses = (losses_of or (lambda o: F.cross_entropy(o.float(), y, reduction="none")))(out)
+    loss = losses.mean()
+    with cockpit(0, info={"batch_size": len(x), "individual_losses": losses, "loss": loss}):
+        loss.backward()
+    return cockpit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_takes_the_layers_rules_and_matches_the_oracle_within_its_rounding(dtype):
+    model = _mlp()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    tracked = [quantities.NormTest(EVERY), quantities.GradNorm(EVERY), quantities.InnerTest(EVERY), quantities.GradHist1d(EVERY)]
+    cockpit = _tracked(model, x, y, tracked, autocast=dtype)
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+    g = _oracle(model, x, y)
+    eps = torch.finfo(dtype).eps
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=8 * eps)
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=8 * eps)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_bfloat16_model_is_not_rejected_for_rounding_its_losses(seed):
+    model = _mlp().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 5, generator=gen).to(torch.bfloat16), torch.randint(0, 3, (16,), generator=gen)
+    out = model(x)
+    loss, losses = F.cross_entropy(out, y), F.cross_entropy(out, y, reduction="none")
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with cockpit(0, info={"batch_size": 16, "individual_losses": losses, "loss": loss}):
+        loss.backward()
+    assert cockpit.get_output()[0]["NormTest"] > 0
+
+
+def test_a_loss_that_is_a_sum_is_still_rejected_in_bfloat16():
+    model = _mlp().to(torch.bfloat16)
+    x, y = torch.randn(16, 5).to(torch.bfloat16), torch.randint(0, 3, (16,))
+    out = model(x)
+    losses = F.cross_entropy(out, y, reduction="none")
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.raises(ValueError, match="is not the mean of info\\['individual_losses'\\]"):
+        with cockpit(0, info={"batch_size": 16, "individual_losses": losses, "loss": losses.sum()}):
+            losses.sum().backward()
+
+
+def test_individual_losses_of_shape_n_by_1_as_cockpits_own_tests_pass_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(N, 4), torch.randn(N, 1)
+    values = []
+    for shape in [(N, 1), (N,)]:
+        cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+        model.zero_grad()
+        losses = F.mse_loss(model(x), y, reduction="none").reshape(shape)
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        values.append(cockpit.get_output()[0]["NormTest"])
+    twin = copy.deepcopy(model).double()
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.mse_loss(m(a), b, reduction="none")[:, 0], x.double(), y.double()))
+    assert values[0] == values[1] == pytest.approx(_norm_test(g), rel=1e-4)
+
+
+def test_a_batch_of_no_samples_with_individual_losses():
+    model, batch, _ = build("twice_applied", torch.float32)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.GradHist1d(EVERY, bins=5)])
+    x, y = batch(0, torch.Generator().manual_seed(1))
+    training_step(model, None, (x, y), lambda out, labels: F.cross_entropy(out, labels, reduction="none"), cockpit=cockpit)
+    assert cockpit.get_output()[0]["GradHist1d"]["hist"].sum() == 0
+
+
+def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
+    # T5's relative-attention-bias table: one lookup of position buckets for the whole batch.
+    model, batch, losses_of = build("hf_t5", torch.float64)
+    x, _ = batch(N, torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
+        training_step(model, None, (x, None), lambda out, _: losses_of(lambda _: out, x, None), cockpit=cockpit)
+    routes = cockpit.routes()
+    bias = [name for name in routes if "relative_attention_bias" in name]
+    assert len(bias) == 2 and {routes[name] for name in bias} == {"module-local: Embedding rule"}
+    g = flat(oracle_grads(model, list(model.parameters()), losses_of, x, None))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+
+
+def test_only_parameters_upstream_of_a_training_batch_norm_take_the_whole_graph():
+    model, batch, _ = build("batch_norm_training", torch.float64)
+    x, y = batch(N, torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match=r"\(lin.weight, lin.bias\) take the whole-graph route .*upstream"):
+        training_step(model, None, (x, y), lambda out, labels: F.cross_entropy(out, labels, reduction="none"), cockpit=cockpit)
+    routes = cockpit.routes()
+    assert routes == {
+        "lin.weight": "whole graph", "lin.bias": "whole graph", "bn.weight": "module-local: BatchNorm1d rule",
+        "bn.bias": "module-local: BatchNorm1d rule", "head.weight": "module-local: Linear rule",
+        "head.bias": "module-local: Linear rule",
+    }
+
+
+def test_lora_tracks_the_trainable_parameters_and_says_so_once():
+    peft = pytest.importorskip("peft")
+    model, batch, losses_of = build("hf_gpt2", torch.float64)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    with pytest.warns(UserWarning, match=f"of the {len(list(lora.parameters()))} parameters given are frozen"):
+        cockpit = Cockpit(lora.parameters(), quantities=[quantities.NormTest(EVERY), quantities.GradNorm(EVERY)])
+    assert cockpit.params == trainable
+    x, _ = batch(N, torch.Generator().manual_seed(1))
+    training_step(lora, None, (x, None), lambda out, _: losses_of(lambda _: out, x, None), cockpit=cockpit)
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+    g = flat(oracle_grads(lora, trainable, losses_of, x, None))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+
+
+def test_a_parameter_frozen_after_the_cockpit_was_made_is_a_clear_error():
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"tracked parameters \[0\] were frozen \(requires_grad=False\) after"):
+        cockpit(0, info={})
+
+
+def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
+    model = _mlp()
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    first = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    second = Cockpit(list(model[2].parameters()), quantities=[quantities.NormTest(EVERY)])
+    expected = _oracle(model, x, y)
+    for cockpit, g in ((first, expected), (second, expected[:, -(16 * 3 + 3):])):
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-4)
+
+
+def test_a_hook_with_a_side_effect_runs_once_per_sample_in_the_collector_as_in_gradient_metrics():
+    model = _mlp()
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(1))
+    collector = GradientMetricCollector([gm.PNorm(model[0].weight, p=2)])
+    collector(F.cross_entropy(model(torch.randn(5, 5)), torch.randint(0, 3, (5,)), reduction="none"))
+    assert len(calls) == 5
+
+
+def test_a_nan_in_one_samples_input_leaves_the_other_samples_metrics_alone():
+    model = _mlp()
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    x[2, 1] = float("nan")
+    collector = GradientMetricCollector([gm.PNorm(model, p=2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no slower route taken
+        values = collector(F.cross_entropy(model(x), y, reduction="none"))[:, 0]
+    clean = torch.arange(N) != 2
+    assert values[2].isnan() and not values[clean].isnan().any()
+    expected = _oracle(model, x[clean], y[clean]).norm(dim=1)
+    torch.testing.assert_close(values[clean].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_a_compiled_model_matches_the_eager_one_with_the_cockpit_made_before_or_after_it_ran(made):
+    eager = _mlp()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+
+    def cockpit_of(m):
+        return Cockpit(list(m.parameters()), quantities=[quantities.NormTest(EVERY), quantities.GradNorm(EVERY)])
+
+    cockpit = cockpit_of(model) if made == "before" else None
+    F.cross_entropy(compiled(x), y).backward()  # compiled and run once, its backward with donated buffers
+    cockpit = cockpit or cockpit_of(model)
+    outputs = []
+    for m, c in ((compiled, cockpit), (eager, cockpit_of(eager))):
+        m.zero_grad()
+        losses = F.cross_entropy(m(x), y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notice of global hooks under torch.compile
+            with c(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+        outputs.append(c.get_output()[0])
+    assert outputs[0]["NormTest"] == pytest.approx(outputs[1]["NormTest"], rel=1e-5)
+    assert outputs[0]["GradNorm"] == pytest.approx(outputs[1]["GradNorm"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "info, message",
+    [
+        (lambda losses: {"batch_size": 2 * N, "individual_losses": losses, "loss": losses.mean()},
+         rf"info\['individual_losses'\] holds {N} losses but info\['batch_size'\] is {2 * N}"),
+        (lambda losses: {"batch_size": N // 2, "individual_losses": losses[: N // 2], "loss": losses[: N // 2].mean()},
+         rf"info\['batch_size'\] tells {N // 2} samples, but the forward pass .* had {N}"),
+        (lambda losses: {"individual_losses": losses[:-1], "loss": losses[:-1].mean()},
+         rf"info\['individual_losses'\] tells {N - 1} samples, but the forward pass .* had {N}"),
+        (lambda losses: {"batch_size": 2 * N, "loss": losses.mean()},
+         rf"info\['batch_size'\] tells {2 * N} samples, but the forward pass .* had {N}"),
+    ],
+)
+def test_info_that_disagrees_with_the_forward_pass_is_a_clear_error(info, message):
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.Alpha(EVERY)])
+    losses = F.cross_entropy(model(torch.randn(N, 5)), torch.randint(0, 3, (N,)), reduction="none")
+    with pytest.raises(ValueError, match=message):
+        with cockpit(0, info=info(losses)):
+            raise AssertionError("the backward pass must not start")
+
+
+def _accumulation_steps(model, cockpit, micro_batches, first_outside=False):
+    model.zero_grad()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)) for n in micro_batches]
+    if first_outside:
+        x, y = batches.pop(0)
+        F.cross_entropy(model(x), y).backward()
+    total = sum(micro_batches)
+    with cockpit(0, info={"batch_size": total}):
+        for x, y in batches:
+            (F.cross_entropy(model(x), y, reduction="sum") / total).backward()
+
+
+@pytest.mark.parametrize("first_outside", [False, True])
+def test_gradient_accumulation_is_a_clear_error_not_wrong_numbers(first_outside):
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.GradHist1d(EVERY)])
+    match = "hold gradients from before" if first_outside else "more than one backward pass ran inside one"
+    with pytest.raises(ValueError, match=match):
+        _accumulation_steps(model, cockpit, [4, 3], first_outside)

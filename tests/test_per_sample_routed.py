@@ -1,0 +1,227 @@
+"""Calls whose rows are not the batch's samples (cockpit_fast/per_sample/routed.py): mixture-of-
+experts layers whose experts see the token rows routed to them, and MLPs on flattened token
+rows. Their per-sample quantities and gradient metrics against the float64 torch.func oracle
+(tests/test_any_model.py's checks), over several steps whose routing changes, with the experts'
+layers served module-local; routing the graph does not tell falls back to the whole graph."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import any_models
+import test_any_model
+from any_models import CLASSES, VOCAB, WIDTH, class_losses, flat
+from cockpit_fast import Cockpit, quantities
+
+EXPERTS, STEPS = 4, 3
+
+
+def _expert():
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+
+class Top1MoE(nn.Module):
+    """A router picks one expert per token row; the rows reach it by index and come back by
+    ``index_add_``, weighted by the router's probability. Every expert is called, on no rows
+    where none is routed to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = nn.ModuleList(_expert() for _ in range(EXPERTS))
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        gate, choice = self.router(rows).softmax(-1).max(-1)
+        out = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            index = (choice == e).nonzero().squeeze(1)
+            out.index_add_(0, index, gate[index, None] * expert(rows[index]))
+        return out.reshape(x.shape)
+
+
+class Top2MoE(Top1MoE):
+    """Two experts per token row, their probabilities renormalised; the rows reach an expert by
+    a boolean mask and come back by ``index_put_`` with accumulation."""
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        gates, choices = self.router(rows).softmax(-1).topk(2, -1)
+        gates = gates / gates.sum(-1, keepdim=True)
+        out = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            chosen = choices == e
+            mask = chosen.any(-1)
+            gate = (gates * chosen).sum(-1)[mask]
+            out.index_put_((mask.nonzero().squeeze(1),), gate[:, None] * expert(rows[mask]), accumulate=True)
+        return out.reshape(x.shape)
+
+
+class GatheredMoE(Top1MoE):
+    """Rows gathered by ``torch.gather`` and scattered by ``scatter_add``: routing the graph
+    does not tell (the whole graph serves the experts)."""
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        gate, choice = self.router(rows).softmax(-1).max(-1)
+        out = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            index = (choice == e).nonzero().expand(-1, rows.shape[1])
+            picked = torch.gather(rows, 0, index)
+            out = out.scatter_add(0, index, gate[index[:, 0], None] * expert(picked))
+        return out.reshape(x.shape)
+
+
+class MoEClassifier(nn.Module):
+    """Embedding, a residual MoE block, a head on the mean over tokens."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.moe = moe
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        return self.head((x + self.moe(x)).mean(1))
+
+
+class FlatRowsMLP(nn.Module):
+    """An MLP on every token row flattened sample-major, ``(N * T, D)``, of token features
+    (embedded, or given: ``embedded=False``), or flattened time-major (``time_major``: row
+    ``r`` of sample ``r % N``)."""
+
+    def __init__(self, embedded=True, time_major=False):
+        super().__init__()
+        self.time_major = time_major
+        self.embedding = nn.Embedding(VOCAB, WIDTH) if embedded else None
+        self.mlp = _expert()
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):
+        x = x if self.embedding is None else self.embedding(x)
+        n, t, d = x.shape
+        if self.time_major:
+            h = self.mlp(x.transpose(0, 1).reshape(-1, d)).reshape(t, n, d).transpose(0, 1)
+        else:
+            h = self.mlp(x.reshape(-1, d)).reshape(n, t, d)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _labelled(tokens):
+    def batch(n, gen, dtype):
+        features = lambda: torch.randn(n, any_models.TOKENS, WIDTH, generator=gen, dtype=dtype)  # noqa: E731
+        x = any_models._tokens(n, gen) if tokens else features()
+        return x, torch.randint(0, CLASSES, (n,), generator=gen)
+
+    return batch
+
+
+def _entry(make, tokens=True):
+    return make, _labelled(tokens), lambda out, x, y: class_losses(out, y)
+
+
+MODULE_LOCAL = {  # every parameter served module-local, the experts' and MLP's rows regrouped
+    "moe_top1": _entry(lambda: MoEClassifier(Top1MoE())),
+    "moe_top2": _entry(lambda: MoEClassifier(Top2MoE())),
+    "flat_rows_mlp": _entry(FlatRowsMLP),
+    "flat_rows_mlp_of_features": _entry(lambda: FlatRowsMLP(embedded=False), tokens=False),  # sample-major guessed
+}
+WHOLE_GRAPH = {  # the experts' or MLP's rows cannot be told apart: the whole graph
+    "moe_gathered": _entry(lambda: MoEClassifier(GatheredMoE())),
+    "flat_rows_mlp_time_major": _entry(lambda: FlatRowsMLP(embedded=False, time_major=True), tokens=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def filed(monkeypatch):
+    for name, entry in {**MODULE_LOCAL, **WHOLE_GRAPH}.items():
+        monkeypatch.setitem(any_models.MODELS, name, entry)
+
+
+def _regrouped(model):
+    """Names of the parameters of the modules called on rows that are not samples."""
+    inner = model.moe.experts if isinstance(model, MoEClassifier) else model.mlp
+    prefix = "moe.experts." if isinstance(model, MoEClassifier) else "mlp."
+    return {prefix + name for name, _ in inner.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", [*MODULE_LOCAL, *WHOLE_GRAPH])
+def test_quantities_and_gradient_metrics_match_the_oracle(name, dtype):
+    test_any_model._check_quantities(name, dtype, "plain")
+    test_any_model.test_gradient_metrics_match_the_oracle(name, dtype)
+
+
+def _expected(g, hist_range, bins):
+    """NormTest, InnerTest, GradHist1d counts of per-sample gradients ``g`` (N, D)."""
+    n, mean = g.shape[0], g.mean(0)
+    g_sq, mean_sq, projections = (g**2).sum(1), (mean**2).sum(), g @ mean
+    return {
+        "NormTest": float(((g_sq.sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt()),
+        "InnerTest": float((projections.var() / (n * mean_sq**2)).sqrt()),
+        "GradHist1d": test_any_model._hist1d_expected(g.flatten(), *hist_range, bins),
+    }
+
+
+def _steps(name, dtype):
+    """``STEPS`` SGD steps of model ``name`` tracked by one cockpit on fresh batches (the
+    routing changes); checks each step's quantities against the oracle. Returns the cockpit,
+    the model and the whole-graph warnings."""
+    model, batch, losses_of = any_models.build(name, dtype)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.5)
+    bins, n = 11, 6
+    cockpit = None
+    gen = torch.Generator().manual_seed(2)
+    rtol = test_any_model.RTOL[dtype]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            x, y = batch(n, gen)
+            expected_grads = test_any_model._oracle(model, params, losses_of, x, y, {})
+            g = flat(expected_grads)
+            if cockpit is None:  # the histogram's range from the first step's gradients (later ones clamp)
+                largest = float(g.abs().max())
+                hist_range = (-0.6 * largest, 0.5 * largest)
+                tracked = [
+                    quantities.NormTest(test_any_model.EVERY), quantities.InnerTest(test_any_model.EVERY),
+                    quantities.GradNorm(test_any_model.EVERY),
+                    quantities.GradHist1d(test_any_model.EVERY, bins=bins, range=hist_range),
+                ]
+                cockpit = Cockpit(params, quantities=tracked)
+            test_any_model._step(model, losses_of, x, y, cockpit, step, opt)
+            output = cockpit.get_output()[step]
+            expected = _expected(g, hist_range, bins)
+            for key in ("NormTest", "InnerTest"):
+                assert output[key] == pytest.approx(expected[key], rel=rtol), (step, key)
+            norms = [float(e.mean(0).norm()) for e in expected_grads]
+            assert output["GradNorm"] == pytest.approx(norms, rel=rtol, abs=1e-6 * max(norms)), step
+            any_models.assert_counts_close(
+                output["GradHist1d"]["hist"], expected["GradHist1d"], [g.flatten()], [output["GradHist1d"]["edges"]],
+                slack=0 if dtype == torch.float64 else 1,
+            )
+    return cockpit, model, [str(w.message) for w in caught if "whole-graph route" in str(w.message)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(MODULE_LOCAL))
+def test_rows_regrouped_by_sample_over_steps_whose_routing_changes(name, dtype):
+    cockpit, model, whole_graph = _steps(name, dtype)
+    assert not whole_graph
+    routes = cockpit.routes()
+    assert "whole graph" not in routes.values(), routes
+    regrouped = {key for key, route in routes.items() if route.endswith("rows regrouped by sample")}
+    assert regrouped == _regrouped(model) | ({"moe.router.weight", "moe.router.bias"} if "moe" in name else set())
+
+
+@pytest.mark.parametrize("name", list(WHOLE_GRAPH))
+def test_rows_the_graph_does_not_tell_apart_take_the_whole_graph(name):
+    cockpit, model, whole_graph = _steps(name, torch.float64)
+    assert whole_graph
+    routes = cockpit.routes()
+    # (An expert routed no rows at the last step is exact module-local: no sample, zero gradients.)
+    whole = {key for key, route in routes.items() if route == "whole graph"}
+    assert whole and whole <= _regrouped(model), routes
