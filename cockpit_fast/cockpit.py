@@ -423,13 +423,18 @@ class _TrackedBackward:
         if self._grads is not None:
             self._grads.remove()
             ctx.local_grads = self._grads.grads
-            if self._grads.passes > 1 and exc_type is None and ctx.requests:
-                self._cockpit._engine.end(self._pass, failed=True)
-                raise ValueError(
-                    "more than one backward pass ran inside one `with cockpit(...)` (gradient accumulation over "
-                    "micro-batches?): per-sample statistics of several backward passes cannot be combined yet; "
-                    "track one backward pass per step"
-                )
+            wrong = exc_type is None and (
+                "no backward pass reached the tracked parameters inside `with cockpit(...)`: call loss.backward() "
+                "inside the `with` block" if not self._grads.passes else
+                "more than one backward pass ran inside one `with cockpit(...)` (gradient accumulation over "
+                "micro-batches?): per-sample statistics of several backward passes cannot be combined yet; track "
+                "one backward pass per step" if self._grads.passes > 1 and ctx.requests else None
+            )
+            if wrong:
+                if ctx.requests:
+                    self._cockpit._engine.end(self._pass, failed=True)
+                cockpit._free(self._buffers, ctx)
+                raise ValueError(wrong)
         forms = {}
         if ctx.requests:
             grads = {id(ctx.params[index]): grad for index, grad in ctx.local_grads.items()}

@@ -277,3 +277,12 @@ def test_gradient_accumulation_is_a_clear_error_not_wrong_numbers(first_outside)
     match = "hold gradients from before" if first_outside else "more than one backward pass ran inside one"
     with pytest.raises(ValueError, match=match):
         _accumulation_steps(model, cockpit, [4, 3], first_outside)
+
+
+def test_no_backward_pass_inside_the_block_is_a_clear_error():
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = F.cross_entropy(model(torch.randn(N, 5)), torch.randint(0, 3, (N,)), reduction="none")
+    with pytest.raises(ValueError, match=r"no backward pass reached the tracked parameters inside `with cockpit"):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            pass
