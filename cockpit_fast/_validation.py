@@ -309,7 +309,9 @@ def check_info(info):
     * ``loss``: the mini-batch loss, a tensor of one element (0-d or not);
     * ``batch_size``: a Python or NumPy integer or a 0-d integer tensor, at least 0;
     * ``individual_losses``: every sample's loss, a tensor of shape (N,) or (N, 1);
-    * ``optimizer``: a ``torch.optim.Optimizer``.
+    * ``optimizer``: a ``torch.optim.Optimizer``;
+    * ``grad_scaler``: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) whose scaled
+      loss the backward pass runs on.
 
     Raises:
         TypeError: If ``info`` or one of these entries has another type.
@@ -341,3 +343,5 @@ def check_info(info):
     )
     if "optimizer" in info and not isinstance(info["optimizer"], torch.optim.Optimizer):
         raise TypeError(f"info['optimizer'] must be a torch.optim.Optimizer, got {_given(info['optimizer'])}")
+    if "grad_scaler" in info and not callable(getattr(info["grad_scaler"], "get_scale", None)):
+        raise TypeError(f"info['grad_scaler'] must be a torch.amp.GradScaler, got {_given(info['grad_scaler'])}")

@@ -422,7 +422,7 @@ class _TrackedBackward:
             context.__exit__(exc_type, exc, traceback)
         if self._grads is not None:
             self._grads.remove()
-            ctx.local_grads = self._grads.grads
+            ctx.local_grads = {i: g * ctx.unscale for i, g in self._grads.grads.items()} if ctx.unscale != 1.0 else self._grads.grads
             wrong = exc_type is None and (
                 "no backward pass reached the tracked parameters inside `with cockpit(...)`: call loss.backward() "
                 "inside the `with` block" if not self._grads.passes else
@@ -438,7 +438,7 @@ class _TrackedBackward:
         forms = {}
         if ctx.requests:
             grads = {id(ctx.params[index]): grad for index, grad in ctx.local_grads.items()}
-            forms = cockpit._engine.end(self._pass, grads, failed=exc_type is not None)
+            forms = cockpit._engine.end(self._pass, grads, failed=exc_type is not None, unscale=ctx.unscale)
         if exc_type is not None:
             cockpit._free(self._buffers, ctx)
             return

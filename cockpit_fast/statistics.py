@@ -280,6 +280,9 @@ class StepContext:
         self._curvatures = {}
         self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
         self.rank_sizes = None  # every rank's batch size, once reduced
+        scaler = info.get("grad_scaler") if hasattr(info, "get") else None
+        # A GradScaler's scaled loss: its gradients times this are those of the loss itself.
+        self.unscale = 1.0 if scaler is None else 1.0 / float(scaler.get_scale())
 
     def differentiable_grads(self):
         """Gradients that still carry their graph (``create_graph=True``): ``param.grad``, or this
@@ -369,6 +372,8 @@ class StepContext:
                 f"the mini-batch gradient was not computed for parameters {missing}: were they used "
                 "in the forward pass?"
             )
+        if self.unscale != 1.0:
+            return [p.grad.detach() * self.unscale for p in self.params]
         return [p.grad.detach() for p in self.params]
 
     def flat_grad(self):

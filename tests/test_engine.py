@@ -1,10 +1,12 @@
 """The per-sample engine's front door (cockpit_fast.per_sample.engine) where users meet it: mixed
-precision, the shapes of ``individual_losses``, empty batches, LoRA, two cockpits, hooks, NaN,
-the routes it reports, against float64 per-sample gradients from torch.func."""
+precision and a GradScaler, the shapes of ``individual_losses``, empty batches, LoRA, two
+cockpits, hooks, NaN, compiled models, info that disagrees with the forward pass, accumulation,
+the routes it reports; against float64 per-sample gradients from torch.func."""
 
 import copy
 import warnings
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -286,3 +288,30 @@ def test_no_backward_pass_inside_the_block_is_a_clear_error():
     with pytest.raises(ValueError, match=r"no backward pass reached the tracked parameters inside `with cockpit"):
         with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             pass
+
+
+def test_a_grad_scalers_scale_is_divided_out():
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 5, generator=gen), torch.randint(0, 3, (16,), generator=gen)) for _ in range(2)]
+    outputs = []
+    for m, scale in ((model, scaler), (twin, None)):
+        tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.GradNorm(EVERY),
+                   quantities.GradHist1d(EVERY, bins=9, range=(-0.5, 0.5))]
+        cockpit = Cockpit(list(m.parameters()), quantities=tracked)
+        for step, (x, y) in enumerate(batches):  # step 0 checks from the losses, step 1 from the backward pass
+            m.zero_grad()
+            losses = F.cross_entropy(m(x), y, reduction="none")
+            info = {"batch_size": 16, "individual_losses": losses, "loss": losses.mean()}
+            if scale is not None:
+                info["grad_scaler"] = scale
+            with cockpit(step, info=info):
+                (losses.mean() if scale is None else scale.scale(losses.mean())).backward()
+        outputs.append(cockpit.get_output())
+    for step in range(2):
+        scaled, plain = outputs[0][step], outputs[1][step]
+        for key in ("NormTest", "InnerTest", "GradNorm"):
+            assert scaled[key] == pytest.approx(plain[key], rel=1e-5), (step, key)
+        assert numpy.array_equal(scaled["GradHist1d"]["hist"], plain["GradHist1d"]["hist"])

@@ -32,7 +32,7 @@ import torch
 from cockpit_fast.per_sample import routed, shared
 from cockpit_fast.per_sample.capture import Capture, mixed_calls
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
-from cockpit_fast.per_sample.grads import HookedGrads
+from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
 SUM_CHECK_SLACK = 16
 """The sum check allows ``SUM_CHECK_SLACK * eps * s``: ``s`` the absolute values of the terms
@@ -110,7 +110,7 @@ class Engine:
         step.armed, step.check = True, unchecked
         return step
 
-    def end(self, step, grads=None, failed=False):
+    def end(self, step, grads=None, failed=False, unscale=1.0):
         """After the backward pass: ``{id(param): form}`` of every tracked parameter it reached.
 
         Args:
@@ -118,6 +118,8 @@ class Engine:
             grads (dict, optional): ``id(param)`` -> the gradient the backward pass gave, for the
                 sum check where :meth:`begin` could not check (no individual losses).
             failed (bool): The backward pass raised: only disarm.
+            unscale (float): What the backward pass's gradients are multiplied by to be in the
+                units of the losses (``1 / scale`` of a ``GradScaler``); ``grads`` are already.
         """
         step.release()
         if not step.armed:
@@ -125,6 +127,8 @@ class Engine:
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
             return {}
+        if unscale != 1.0:
+            found = {key: ScaledGrads(form, unscale) for key, form in found.items()}
         if step.check:
             wrong = self._sums_wrong(found, grads or {})
             if wrong:

@@ -414,6 +414,53 @@ class SummedGrads(PerSampleGrads):
         return None if any(v is None for v in values) else sum(values)
 
 
+class ScaledGrads(PerSampleGrads):
+    """``factor`` times another form's gradients: a ``GradScaler``'s scale divided out of those
+    of a scaled loss's backward pass. Every statistic is the inner form's, rescaled."""
+
+    FRESH_RANGES = True
+
+    def __init__(self, form, factor):
+        self.form, self.factor = form, factor
+        self.batch_size, self.shape = form.batch_size, form.shape
+
+    @property
+    def formed_per_sample(self):
+        return self.form.formed_per_sample
+
+    @cached_property
+    def grad(self):
+        return self.form.grad * self.factor
+
+    def dense_range(self, start, stop):
+        return self.form.dense_range(start, stop) * self.factor
+
+    def magnitude(self):
+        return self.form.magnitude() * abs(self.factor)
+
+    def batch_l2(self, force=False):
+        return _rescaled(self.form.batch_l2(force), self.factor**2)
+
+    def sum_grad_squared(self):
+        return _rescaled(self.form.sum_grad_squared(), self.factor**2)
+
+    def dot(self, direction):
+        return _rescaled(self.form.dot(direction), self.factor)
+
+    def abs_max(self, scale):
+        return self.form.abs_max(scale * self.factor)
+
+    def hist1d(self, bins, range, scale):
+        return self.form.hist1d(bins, range, scale * self.factor)
+
+    def hist2d(self, param, bins, range, scale):
+        return self.form.hist2d(param, bins, range, scale * self.factor)
+
+
+def _rescaled(value, factor):
+    return None if value is None else value * factor
+
+
 class HookedGrads(PerSampleGrads):
     """The per-sample gradients after the user's hooks on the parameter (``param.register_hook``:
     a pruning mask, a clip), applied to each sample's gradient, as autograd applies them to the
