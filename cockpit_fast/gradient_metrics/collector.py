@@ -22,7 +22,6 @@ import torch
 from cockpit_fast import stats as columns
 from cockpit_fast.gradient_metrics.metrics import GradientMetric, as_floating
 from cockpit_fast.per_sample import DenseGrads, Engine, stats_rows
-from cockpit_fast.per_sample.engine import user_hooks_set_aside
 
 _warned = set()
 
@@ -101,10 +100,7 @@ class GradientMetricCollector:
                 f"{torch.distributed.get_world_size()}); nothing is gathered across processes"
             )
         try:
-            grads = self._engine.per_sample(loss)
-            if not retain_graph:  # free the graph as the original's last backward pass would
-                with user_hooks_set_aside(self._params):
-                    torch.autograd.grad(loss, self._params, torch.zeros_like(loss), allow_unused=True)
+            grads = self._engine.per_sample(loss, retain_graph=retain_graph)
         except RuntimeError as error:
             warn_once(
                 "GradientMetricCollector: the batched backward pass failed "

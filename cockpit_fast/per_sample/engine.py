@@ -142,18 +142,21 @@ class Engine:
         self._record_routes(fired, step.forms)
         return {**found, **step.forms}
 
-    def per_sample(self, losses, scale=1.0):
+    def per_sample(self, losses, scale=1.0, retain_graph=True):
         """``{id(param): form}`` of every sample's own loss, from a backward pass of its own
-        (the collector's route). The graph is kept."""
+        (the collector's route); ``retain_graph``: whether the graph survives it."""
         losses = _sample_losses(losses)
         step = self.begin(losses, scale)
-        if not step.armed:
-            return step.forms
         tracked = [p for p in self.params if p.requires_grad]
+        if not step.armed:
+            if not retain_graph:  # free it as a last backward pass would
+                with user_hooks_set_aside(tracked):
+                    torch.autograd.grad(losses, tracked, torch.zeros_like(losses), allow_unused=True)
+            return step.forms
         try:
             with user_hooks_set_aside(tracked):
                 grads = torch.autograd.grad(
-                    losses, tracked, torch.full_like(losses, scale), retain_graph=True, allow_unused=True
+                    losses, tracked, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
                 )
         except BaseException:
             self.end(step, failed=True)
