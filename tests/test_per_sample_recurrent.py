@@ -186,6 +186,20 @@ class BidirectionalLSTMClassifier(nn.Module):
         return self.head(torch.cat([output.mean(0), h_n[-2:].transpose(0, 1).flatten(1), c_n[0]], 1))
 
 
+class FinalStateLSTMClassifier(nn.Module):
+    """Embedding, an LSTM batch first, a head on its last layer's final state ``h_n[-1]`` (whose
+    samples run along dimension 1 whatever batch_first says)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.lstm = nn.LSTM(WIDTH, 5, num_layers=2, batch_first=True)
+        self.head = nn.Linear(5, CLASSES)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.embedding(ids))[1][0][-1])
+
+
 class PackedGRUClassifier(nn.Module):
     """Embedding, a GRU over sequences of unequal lengths (id 0 pads), packed unsorted, a head
     on each sample's mean output."""
@@ -219,6 +233,7 @@ def _classifier(make, tokens):
 RECURRENT_MODELS = {  # the rule serves the recurrent layers of these in every route
     "gru": _classifier(GRUClassifier, any_models._tokens),
     "bidirectional_lstm": _classifier(BidirectionalLSTMClassifier, any_models._tokens),
+    "final_state_lstm": _classifier(FinalStateLSTMClassifier, any_models._tokens),
 }
 PACKED = ("packed_gru", _classifier(PackedGRUClassifier, _padded_tokens))
 
@@ -274,11 +289,13 @@ def test_gradient_metrics_match_the_oracle_through_the_rule(recorded, name, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_packed_sequences_end_to_end_match_the_oracle(recorded, monkeypatch, dtype):
-    # With every sample's loss at hand (what both checks hand in) the engine's proof that the
-    # samples are told apart cannot read them from a PackedSequence's data: the whole graph.
+    # The engine's proof reads the samples from the final states (a packed output's data has
+    # none), so the rule serves packed sequences with every sample's loss at hand too.
     monkeypatch.setattr(test_any_model, "_oracle", _oracle_one_sample_at_a_time)
     test_any_model._check_quantities(PACKED[0], dtype, "plain")
+    _assert_the_rule_served(recorded["Cockpit"][0].routes(), PACKED[0])
     test_any_model.test_gradient_metrics_match_the_oracle(PACKED[0], dtype)
+    _assert_the_rule_served(recorded["GradientMetricCollector"][0]._engine.routes(), PACKED[0])
 
 
 def test_packed_sequences_without_individual_losses_take_the_rule(recorded):

@@ -50,6 +50,7 @@ class Call:
         self.sample_dim = 1 if time_first else 0
         first = outputs[0]
         packed = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.nn.utils.rnn.PackedSequence)]
+        self.packed = bool(packed)
         if packed:  # a recurrent layer's: its data (tokens, features) has no dimension of samples
             self.batch_size = int(packed[0].batch_sizes[0])
         else:
@@ -81,6 +82,15 @@ class Call:
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
         chained = parametrized.chained_names(self.module, self.params)  # the rule's, through a parametrization
         return rules.rule_for(self.module) is None or bool(set(self.params) - self.direct - chained)
+
+    def sample_dim_of(self, index):
+        """Where the call's ``index``-th tensor output holds its samples; None where it holds
+        none (a packed sequence's data: tokens of every sample)."""
+        if isinstance(self.module, torch.nn.RNNBase) and not self.shared and self.routed is None:
+            if index == 0:
+                return None if self.packed else (0 if self.module.batch_first else 1)
+            return 1  # the final states, (layers * directions, N, hidden) whatever batch_first says
+        return self.sample_dim
 
     def route_of(self, name):
         """How the call gives parameter ``name`` its per-sample gradients, in words."""
@@ -293,11 +303,11 @@ class Capture:
             if call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
                 grads = [None if g is None else call.routed(g) for g in grads]
             keep = self._keep
-            self._fired.append((call, [keep(call, g) for g in grads] if keep else list(grads)))
+            self._fired.append((call, [keep(call, g, i) for i, g in enumerate(grads)] if keep else list(grads)))
 
     def arm(self, keep=None):
         """Keep the calls whose outputs get gradients in the next backward pass, and those
-        gradients (or what ``keep(call, gradient)`` makes of each)."""
+        gradients (or what ``keep(call, gradient, output index)`` makes of each)."""
         self._fired, self._keep = [], keep
         # The user's hooks on parameters, applied to each sample's gradient (not ours, added later).
         self.hooked = {id(p) for p in self._tracked.values() if p._backward_hooks}
@@ -345,7 +355,7 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
         torch.autograd.grad(losses, inputs, grad_outputs, retain_graph=True, allow_unused=True)
         _, reference = capture.disarm()
     else:
-        reference = [(call, [_fingerprint(call, g) for g in grads]) for call, grads in reference]
+        reference = [(call, [_fingerprint(call, g, i) for i, g in enumerate(grads)]) for call, grads in reference]
     weights = 1 + torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     weights = weights.to(device=losses.device, dtype=losses.dtype)
     capture.arm(_fingerprint)
@@ -369,15 +379,17 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     return mixed
 
 
-def _fingerprint(call, grad):
-    """(3, N) sums of each sample's output gradient, in at least float32: plain, against a fixed
-    pattern, absolute; and the machine epsilon their rounding follows."""
-    if grad is None or grad.dim() <= call.sample_dim:
+def _fingerprint(call, grad, index):
+    """(3, N) sums of each sample's gradient of the call's ``index``-th output, in at least
+    float32: plain, against a fixed pattern, absolute; and the machine epsilon their rounding
+    follows. None for an output without samples."""
+    dim = call.sample_dim_of(index)
+    if grad is None or dim is None or grad.dim() <= dim:
         return None, None
     # At least float32's: float64 models compute some parts in float32 (T5's norms), and the
     # weighted pass rounds there too.
     eps = max(torch.finfo(grad.dtype).eps, torch.finfo(torch.float32).eps)
-    rows = grad.detach().movedim(call.sample_dim, 0).reshape(grad.shape[call.sample_dim], -1)
+    rows = grad.detach().movedim(dim, 0).reshape(grad.shape[dim], -1)
     rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
     pattern = torch.cos(torch.arange(rows.shape[1], device=rows.device, dtype=rows.dtype))
     # vector_norm: the absolute sums without a tensor of absolute values (the logits' gradient is large).
