@@ -25,10 +25,10 @@ DESCRIPTION = "The command line of cockpit_fast: a demo run, the dashboard of a 
 CONFIGURATIONS = ("economy", "business", "full")
 DEFAULT_EPOCHS = 8
 DEMO_DESCRIPTION = """\
-Trains a small CNN on scikit-learn's 8x8 digits (bundled, nothing is downloaded) twice from the
-same weights: plainly, then under a cockpit_fast cockpit tracking the --config quantities. Then
-times a few steps of the same tracking with Cockpit 1.0.2 when it is installed, and prints the
-time per step of all three side by side. The run folder (--out) receives the cockpit's log
+Trains a small CNN on scikit-learn's 8x8 digits (bundled, nothing is downloaded) from the same
+weights plainly, under a cockpit_fast cockpit tracking the --config quantities and (a few steps)
+under Cockpit 1.0.2 when it is installed, the steps timed in turn on --threads threads, and
+prints the median time per step of each with its spread, and a warning when the machine was busy. The run folder (--out) receives the cockpit's log
 (cockpit.json), its dashboard (cockpit__primary.png) and, with TensorBoard installed, event
 files (tensorboard/)."""
 
@@ -124,6 +124,7 @@ def build_parser(prog="cockpit-fast"):
         help="steps timed with Cockpit 1.0.2 when installed; 0 skips them (default: 10)",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and batch order (default: 0)")
+    demo.add_argument("--threads", type=positive_int, default=1, help="torch threads while timing (default: 1)")
     demo.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
 
     plot = commands.add_parser("plot", help="draw the dashboard of a written cockpit log")
@@ -157,6 +158,7 @@ def run_demo(args, parser):
             out=args.out or default_run_folder(),
             track_every=args.track_every,
             compare_steps=args.compare_steps,
+            threads=args.threads,
         )
     except demo.UsageError as error:
         parser.error(str(error))

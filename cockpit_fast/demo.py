@@ -1,15 +1,18 @@
 """The demo run: a small CNN learns scikit-learn's handwritten digits under a cockpit.
 
-Plain training (no cockpit) and tracked training of the same model, optimizer and batches run
-one after the other, then a few steps of the same tracking with Cockpit 1.0.2 when it is
-installed, so that the time per step of all three is measured on the same machine in the same
-process. The run folder receives the cockpit's JSON log, its dashboard as PNG and, when
-TensorBoard is installed, event files with every scalar quantity and the gradient histograms.
+Plain training (no cockpit) and tracked training of the same model, optimizer and batches take
+their steps in turn, and so does the same tracking with Cockpit 1.0.2 for the first few steps
+when it is installed: all three are timed in one process, under the same load, with a fixed
+number of threads. The summary gives each one's median time per step with its quartiles, and
+the median and quartiles of the step-by-step ratios (a slow spell of the machine slows the
+steps on both sides of a ratio); it warns when the machine was busy while timing, as then
+another run may tell another story. The run folder receives the cockpit's JSON log, its
+dashboard as PNG and, when TensorBoard is installed, event files written by
+:class:`cockpit_fast.loggers.TensorBoardLogger`.
 """
 
 import copy
 import importlib
-import math
 import os
 import statistics
 import time
@@ -24,8 +27,11 @@ from cockpit_fast.utils.training import training_step
 
 LEARNING_RATE = 0.3  # plain SGD, the optimizer all of Cockpit's quantities support
 VALIDATION_FRACTION = 0.2
-PARAMETER_SEPARATOR = "/"
 COCKPIT_ORIGINAL = "1.0.2"  # the Cockpit release the demo compares with
+BUSY_SPREAD = 0.25
+"""Distance between the quartiles of cockpit_fast's step-by-step ratio to plain steps, relative to
+its median, above which the demo warns that the machine was busy (two default runs on 2 cores
+shared with other jobs: 9% and 10%, while the quartiles of the step times were up to 36% apart)."""
 
 
 class UsageError(ValueError):
@@ -97,106 +103,18 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def timed(device, function):
+    """``(seconds, function())``: wall-clock time of ``function()``, queued GPU work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = function()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
 def accuracy(outputs, targets):
     """Fraction of rows of ``outputs`` whose largest logit is the target class."""
     return (outputs.argmax(dim=1) == targets).float().mean().item()
-
-
-def train_plain(model, data, device):
-    """Plain SGD training over ``data``; returns the seconds each step took."""
-    loss_fn = torch.nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    seconds = []
-    for _, inputs, targets in data:
-        synchronize(device)
-        start = time.perf_counter()
-        training_step(model, optimizer, (inputs, targets), None, loss_fn=loss_fn)  # plain: no individual losses
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-class TensorBoardExport:
-    """Writes a cockpit's output to TensorBoard: scalars as they are, histograms from their counts.
-
-    Numbers become scalars tagged with the quantity's name; per-parameter lists become one
-    scalar per parameter (``Quantity/parameter``), and GradNorm also the norm over all
-    parameters (``GradNorm/all``). GradHist1d's ``hist`` and ``edges`` are handed to
-    ``add_histogram_raw`` unchanged, and so is GradHist2d's marginal over the gradient axis
-    (summed from its counts), so nothing is recomputed from the gradients. Most gradients sit
-    in the bins around zero, whose spike flattens every other bin on TensorBoard's linear
-    axis: each histogram is written a second time with log10(1 + count) per bin
-    (``<tag>/log10``). Entries are written once, so the export can run again as more steps
-    are tracked.
-    """
-
-    def __init__(self, logdir, parameter_names):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=logdir)
-        self.parameter_names = parameter_names
-        self._written = set()
-
-    def export(self, output):
-        """Write the entries of ``output`` (``{step: {name: value}}``) not written yet."""
-        for step in sorted(output):
-            for name, value in output[step].items():
-                if (step, name) not in self._written and value is not None:
-                    self._write(name, value, step)
-                    self._written.add((step, name))
-        self.writer.flush()
-
-    def _write(self, name, value, step):
-        """One log entry, by its kind; other entries (e.g. per-parameter 2D histograms) are left out."""
-        if isinstance(value, (int, float)):
-            self.writer.add_scalar(name, value, step)
-        elif isinstance(value, list) and len(value) == len(self.parameter_names):
-            for parameter, number in zip(self.parameter_names, value):
-                self.writer.add_scalar(f"{name}{PARAMETER_SEPARATOR}{parameter}", number, step)
-            if name == "GradNorm":
-                self.writer.add_scalar(f"{name}{PARAMETER_SEPARATOR}all", math.hypot(*value), step)
-        elif isinstance(value, dict) and name == "GradHist1d":
-            self._add_histogram(name, value["hist"], value["edges"], step)
-        elif isinstance(value, dict) and name == "GradHist2d":
-            gradient_counts = torch.as_tensor(value["hist"]).sum(dim=1)  # bins: (gradient, parameter)
-            tag = f"{name}{PARAMETER_SEPARATOR}gradients"
-            self._add_histogram(tag, gradient_counts, value["edges"][0], step)
-
-    def _add_histogram(self, tag, counts, edges, step):
-        """The histogram, and its log10(1 + count) view as ``<tag>/log10``."""
-        counts = torch.as_tensor(counts, dtype=torch.float64)
-        edges = torch.as_tensor(edges, dtype=torch.float64)
-        self._add_raw_histogram(tag, counts, edges, step)
-        self._add_raw_histogram(f"{tag}{PARAMETER_SEPARATOR}log10", torch.log10(1 + counts), edges, step)
-
-    def _add_raw_histogram(self, tag, counts, edges, step):
-        """Histogram with the given bin counts; TensorBoard takes each bin's right edge."""
-        centers = (edges[:-1] + edges[1:]) / 2
-        total = counts.sum().item()
-        self.writer.add_histogram_raw(
-            tag,
-            min=edges[0].item(),
-            max=edges[-1].item(),
-            num=total,
-            sum=(counts * centers).sum().item(),
-            sum_squares=(counts * centers**2).sum().item(),
-            bucket_limits=edges[1:].tolist(),
-            bucket_counts=counts.tolist(),
-            global_step=step,
-        )
-
-    def close(self):
-        self.writer.close()
-
-
-def tensorboard_export(logdir, parameter_names):
-    """A :class:`TensorBoardExport`, or ``None`` (with a note) when TensorBoard is not installed."""
-    try:
-        require("tensorboard", "tensorboard", "the demo's TensorBoard event files", extra="demo")
-    except MissingDependency as error:
-        print(f"Skipping the event files: {error}")
-        return None
-    return TensorBoardExport(logdir, parameter_names)
 
 
 def evaluate(model, images, labels):
@@ -204,6 +122,32 @@ def evaluate(model, images, labels):
     with torch.no_grad():
         outputs = model(images)
         return torch.nn.functional.cross_entropy(outputs, labels).item(), accuracy(outputs, labels)
+
+
+class PlainTraining:
+    """Plain SGD on ``model`` (a ``Sequential`` of layers), no cockpit and no individual losses.
+
+    The forward pass calls each layer's ``forward`` itself: a cockpit_fast cockpit watches every
+    module call of the process while it lives (global forward hooks), which would bill the plain
+    steps taken in turn with the tracked ones about a tenth more on the demo's CNN.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
+
+    def _forward(self, inputs):
+        for layer in self.model:
+            inputs = layer.forward(inputs)
+        return inputs
+
+    def step(self, step, inputs, targets, device):
+        """One plain step; returns its seconds."""
+        seconds, _ = timed(
+            device, lambda: training_step(self._forward, self.optimizer, (inputs, targets), None, loss_fn=self.loss_fn)
+        )
+        return seconds
 
 
 class TrackedTraining:
@@ -228,42 +172,78 @@ class TrackedTraining:
 
     def step(self, step, inputs, targets, device):
         """One tracked step; returns its seconds, the mini-batch loss and the outputs."""
-        synchronize(device)
-        start = time.perf_counter()
-        outputs, loss, _ = training_step(
-            self.model,
-            self.optimizer,
-            (inputs, targets),
-            self.individual_loss_fn,
-            loss_fn=self.loss_fn,
-            cockpit=self.cockpit,
-            step=step,
-            quiet=True,  # torch's backward-hook notices, once per step
+        seconds, (outputs, loss, _) = timed(
+            device,
+            lambda: training_step(
+                self.model,
+                self.optimizer,
+                (inputs, targets),
+                self.individual_loss_fn,
+                loss_fn=self.loss_fn,
+                cockpit=self.cockpit,
+                step=step,
+                quiet=True,  # torch's backward-hook notices, once per step
+            ),
         )
-        synchronize(device)
-        return time.perf_counter() - start, loss, outputs
+        return seconds, loss, outputs
 
 
-def train_tracked(model, data, total_steps, config, track_every, valid_set, out, device):
-    """Plain SGD training under a cockpit_fast cockpit; returns the cockpit and the seconds each step took.
+def original_training(model, config, track_every):
+    """The same tracking with Cockpit 1.0.2 as ``(training, name)``, or ``(None, why it cannot run)``."""
+    try:
+        version = metadata.version("cockpit-for-pytorch")
+    except metadata.PackageNotFoundError:
+        return None, f"Cockpit is not installed (pip install cockpit-for-pytorch=={COCKPIT_ORIGINAL} to compare)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Cockpit imports the deprecated pkg_resources
+            return TrackedTraining(model, "cockpit", config, track_every), f"Cockpit {version}"
+    except ImportError as error:  # e.g. pkg_resources, gone from setuptools 81
+        return None, f"Cockpit {version} is installed but does not import ({error})"
 
-    Per-epoch losses and accuracies go to ``cockpit.log`` for the dashboard's performance panel;
-    TensorBoard receives the new entries after every epoch, in ``<out>/tensorboard/<run>``
-    (TensorBoard names a run by its folder).
+
+def tensorboard_export(logdir, parameter_names):
+    """A :class:`~cockpit_fast.loggers.TensorBoardLogger`, or ``None`` (with a note) when
+    TensorBoard is not installed."""
+    from cockpit_fast.loggers import TensorBoardLogger
+
+    try:
+        require("tensorboard", "tensorboard", "the demo's TensorBoard event files", extra="demo")
+    except MissingDependency as error:
+        print(f"Skipping the event files: {error}")
+        return None
+    return TensorBoardLogger(logdir, names=parameter_names)
+
+
+def tensorboard_run_folder(out):
+    """``<out>/tensorboard/<name of out>``: TensorBoard lists the run under the run folder's name."""
+    return os.path.join(out, "tensorboard", os.path.basename(os.path.normpath(out)))
+
+
+def train_in_turn(plain, tracked, original, compare_steps, data, total_steps, valid_set, out, device):
+    """Each step of ``data`` with ``plain``, then ``tracked``, then (the first ``compare_steps``)
+    ``original``, so that all three are timed under the same load.
+
+    Per-epoch losses and accuracies of the tracked training go to its cockpit's ``log`` for the
+    dashboard's performance panel; TensorBoard receives the new entries after every epoch, in
+    ``<out>/tensorboard/<run>`` (TensorBoard names a run by its folder).
+
+    Returns:
+        tuple: The seconds of each step of ``plain``, ``tracked`` and ``original`` (empty
+        without it).
     """
     from tqdm import tqdm
 
-    training = TrackedTraining(model, "cockpit_fast", config, track_every)
-    cockpit = training.cockpit
-    parameter_names = [name for name, _ in training.model.named_parameters()]
+    cockpit = tracked.cockpit
+    parameter_names = [name for name, _ in tracked.model.named_parameters()]
     board = tensorboard_export(tensorboard_run_folder(out), parameter_names)
 
-    seconds = []
+    plain_seconds, tracked_seconds, original_seconds = [], [], []
     epoch_losses, epoch_accuracies = [], []
-    progress = tqdm(total=total_steps, desc="tracked training", unit="step")
+    progress = tqdm(total=total_steps, desc="training", unit="step")
 
     def end_epoch(step, epoch):
-        valid_loss, valid_accuracy = evaluate(training.model, *valid_set)
+        valid_loss, valid_accuracy = evaluate(tracked.model, *valid_set)
         cockpit.log(
             step,
             epoch,
@@ -278,15 +258,18 @@ def train_tracked(model, data, total_steps, config, track_every, valid_set, out,
         epoch_losses.clear()
         epoch_accuracies.clear()
         if board is not None:
-            board.export(cockpit.get_output())
+            board.log(cockpit)
 
     step, epoch = 0, 0
     for step, (batch_epoch, inputs, targets) in enumerate(data):
         if batch_epoch != epoch:
             end_epoch(step - 1, epoch)
             epoch = batch_epoch
-        step_seconds, loss, outputs = training.step(step, inputs, targets, device)
-        seconds.append(step_seconds)
+        plain_seconds.append(plain.step(step, inputs, targets, device))
+        step_seconds, loss, outputs = tracked.step(step, inputs, targets, device)
+        tracked_seconds.append(step_seconds)
+        if original is not None and step < compare_steps:
+            original_seconds.append(original.step(step, inputs, targets, device)[0])
         epoch_losses.append(loss.item())
         epoch_accuracies.append(accuracy(outputs, targets))
         progress.set_postfix({"loss": f"{epoch_losses[-1]:.3f}", "acc": f"{epoch_accuracies[-1]:.2f}"})
@@ -295,28 +278,7 @@ def train_tracked(model, data, total_steps, config, track_every, valid_set, out,
     progress.close()
     if board is not None:
         board.close()
-    return cockpit, seconds
-
-
-def tensorboard_run_folder(out):
-    """``<out>/tensorboard/<name of out>``: TensorBoard lists the run under the run folder's name."""
-    return os.path.join(out, "tensorboard", os.path.basename(os.path.normpath(out)))
-
-
-def time_original_cockpit(model, data, config, track_every, device):
-    """Seconds per step of the same tracking with Cockpit 1.0.2, or the reason it cannot run."""
-    try:
-        version = metadata.version("cockpit-for-pytorch")
-    except metadata.PackageNotFoundError:
-        return None, f"Cockpit is not installed (pip install cockpit-for-pytorch=={COCKPIT_ORIGINAL} to compare)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Cockpit imports the deprecated pkg_resources
-            training = TrackedTraining(model, "cockpit", config, track_every)
-    except ImportError as error:  # e.g. pkg_resources, gone from setuptools 81
-        return None, f"Cockpit {version} is installed but does not import ({error})"
-    seconds = [training.step(step, inputs, targets, device)[0] for step, (_, inputs, targets) in enumerate(data)]
-    return (seconds, f"Cockpit {version}"), None
+    return plain_seconds, tracked_seconds, original_seconds
 
 
 def resolve_device(choice):
@@ -326,17 +288,78 @@ def resolve_device(choice):
     return torch.device(choice)
 
 
-def milliseconds_per_step(seconds):
-    """Mean step time in ms, leaving out the first step (warm-up) when there are others.
+def block_times(seconds, track_every):
+    """Mean step time of each block of ``track_every`` consecutive steps, whole blocks only (all
+    steps as one block when there is none).
 
-    The mean, not the median: with ``--track-every`` above 2 most steps are untracked, and the
-    median would hide what tracking costs.
+    A block holds one tracked step: its mean is the cost per step of tracking every
+    ``track_every`` steps, which the median over single steps would hide (most are untracked).
     """
-    return 1000 * statistics.fmean(seconds[1:] or seconds)
+    whole = len(seconds) - len(seconds) % track_every
+    blocks = [seconds[start : start + track_every] for start in range(0, whole, track_every)] or [seconds]
+    return [statistics.fmean(block) for block in blocks]
 
 
-def run(steps, epochs, batch_size, device, config, seed, out, track_every, compare_steps):
-    """Train plainly, then under the cockpit, time Cockpit 1.0.2, write the outputs and print a summary.
+def steady(values):
+    """``values`` without the first (the warm-up) when there are others."""
+    return values[1:] or values
+
+
+def quartiles(values):
+    """``(first quartile, median, third quartile)``, interpolated between the sorted values as
+    NumPy's percentiles are."""
+    if len(values) == 1:
+        return (values[0],) * 3
+    return tuple(statistics.quantiles(values, n=4, method="inclusive"))
+
+
+def paired_ratios(seconds, reference, track_every):
+    """Step-by-step (block-by-block) ratios of ``seconds`` to ``reference``, taken in turn with
+    them, over the blocks both have, the warm-up left out."""
+    return steady([a / b for a, b in zip(block_times(seconds, track_every), block_times(reference, track_every))])
+
+
+def load_average():
+    """The 1-minute load average, or ``None`` where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows; an unreadable /proc
+        return None
+
+
+def usable_cores():
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows
+        return os.cpu_count() or 1
+
+
+def busy_warning(loads, cores, ratio_quartiles):
+    """The line warning that the machine was busy while timing, or ``None``; it says why.
+
+    Busy: a 1-minute load average (``loads``: before and after timing) above the ``cores`` (more
+    runnable threads than cores, so the timed ones waited), or quartiles of cockpit_fast's ratio
+    to plain steps further apart than :data:`BUSY_SPREAD` of its median.
+    """
+    reasons = []
+    loaded = [
+        f"{load:.1f} {when}" for load, when in zip(loads, ("before", "after")) if load is not None and load > cores
+    ]
+    if loaded:
+        reasons.append(f"load average {', '.join(loaded)}, on {cores} cores")
+    low, median, high = ratio_quartiles
+    spread = (high - low) / median
+    if spread > BUSY_SPREAD:
+        reasons.append(f"cockpit_fast/plain quartiles {spread:.0%} of the median apart, above {BUSY_SPREAD:.0%}")
+    if not reasons:
+        return None
+    return f"warning: the machine was busy while timing ({'; '.join(reasons)}): another run may differ"
+
+
+def run(steps, epochs, batch_size, device, config, seed, out, track_every, compare_steps, threads=1):
+    """Train plainly, under the cockpit and (a few steps) under Cockpit 1.0.2 in turn, write the
+    outputs and print a summary.
 
     Args:
         steps (int or None): Most steps per training run (``None``: all steps of ``epochs``).
@@ -348,11 +371,24 @@ def run(steps, epochs, batch_size, device, config, seed, out, track_every, compa
         out (str): Run folder.
         track_every (int): Track the quantities every this many steps.
         compare_steps (int): Steps timed with Cockpit 1.0.2 when it is installed (0: none).
+        threads (int, optional): Threads of torch's CPU operations while the demo runs
+            (``torch.set_num_threads``), fixed so that runs compare. Defaults to 1.
 
     Raises:
-        UsageError: If a batch is larger than the training set or smaller than 2, or ``out``
-            cannot be written.
+        UsageError: If a batch is larger than the training set or smaller than 2, ``threads``
+            is below 1, or ``out`` cannot be written.
     """
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _run(steps, epochs, batch_size, device, config, seed, out, track_every, compare_steps, threads)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(steps, epochs, batch_size, device, config, seed, out, track_every, compare_steps, threads):
     from cockpit_fast.plotter import CockpitPlotter
 
     device = resolve_device(device)
@@ -368,59 +404,99 @@ def run(steps, epochs, batch_size, device, config, seed, out, track_every, compa
     total_steps = step_count(len(train_labels), batch_size, epochs, steps)
     print(
         f"Digits: {len(train_labels)} training / {len(valid_set[1])} validation images, "
-        f"{total_steps} steps of {batch_size} on {device}, cockpit configuration '{config}'."
+        f"{total_steps} steps of {batch_size} on {device} with {threads} thread{'s' if threads > 1 else ''}, "
+        f"cockpit configuration '{config}'."
     )
 
     torch.manual_seed(seed)
     model = build_model().to(device)
     initial_model = copy.deepcopy(model)  # same initial weights for every run
+    plain = PlainTraining(copy.deepcopy(initial_model))
+    tracked = TrackedTraining(model, "cockpit_fast", config, track_every)
+    original, original_name = None, "not timed (--compare-steps 0)"
+    if compare_steps > 0:
+        original, original_name = original_training(copy.deepcopy(initial_model), config, track_every)
+        if original is not None:
+            print(f"Timing {min(compare_steps, total_steps)} steps with {original_name} too, in turn with the others.")
 
-    def data(most_steps=total_steps):
-        return batches(train_images, train_labels, batch_size, epochs, most_steps, seed)
-
-    plain_seconds = train_plain(copy.deepcopy(initial_model), data(), device)
-    cockpit, tracked_seconds = train_tracked(
-        model, data(), total_steps, config, track_every, valid_set, out, device
+    loads = [load_average()]
+    data = batches(train_images, train_labels, batch_size, epochs, total_steps, seed)
+    plain_seconds, tracked_seconds, original_seconds = train_in_turn(
+        plain, tracked, original, compare_steps, data, total_steps, valid_set, out, device
     )
+    loads.append(load_average())
+
+    cockpit = tracked.cockpit
     cockpit.write(os.path.join(out, "cockpit"))
     CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=out)
     _, valid_accuracy = evaluate(model, *valid_set)
 
-    original, why_not = None, "not timed (--compare-steps 0)"
-    if compare_steps > 0:
-        print(f"Timing {compare_steps} steps of the same tracking with Cockpit {COCKPIT_ORIGINAL} ...")
-        original, why_not = time_original_cockpit(
-            copy.deepcopy(initial_model), data(compare_steps), config, track_every, device
-        )
-    rows = [("plain (no cockpit)", plain_seconds), (f"cockpit_fast ('{config}')", tracked_seconds)]
-    note = f"Cockpit {COCKPIT_ORIGINAL}: {why_not}"
+    runs = [("plain (no cockpit)", plain_seconds), (f"cockpit_fast ('{config}')", tracked_seconds)]
     if original is not None:
-        seconds, name = original
-        rows.append((f"{name} ('{config}', {len(seconds)} steps)", seconds))
-        ratio = milliseconds_per_step(seconds) / milliseconds_per_step(tracked_seconds)
-        note = f"{name} takes {ratio:.1f}x the time of cockpit_fast per step"
-    print_summary(rows, note, track_every, valid_accuracy, out)
+        runs.append((f"{original_name} ('{config}', {len(original_seconds)} steps)", original_seconds))
+    table = timing_table(runs, track_every)
+    fast_ratio = table[1][2]
+    note = f"Cockpit {COCKPIT_ORIGINAL}: {original_name}"
+    if original is not None:
+        note = f"{original_name} takes {compared_to(table[2][2], fast_ratio)} the time of cockpit_fast per step"
+    busy = busy_warning(loads, usable_cores(), fast_ratio)
+    print_summary(table, len(block_times(plain_seconds, track_every)), track_every, note, busy, valid_accuracy, out)
 
 
-def print_summary(rows, note, track_every, valid_accuracy, out):
-    """Table of the time per step of each run against plain training, a note, and where the outputs are.
+def timing_table(runs, track_every):
+    """``(label, quartiles of the ms per step, quartiles of the ratio to plain steps)`` of each run.
 
     Args:
-        rows (list): ``(label, seconds of each step)``, plain training first.
-        note (str): The comparison with Cockpit 1.0.2, or why there is none.
+        runs (list): ``(label, seconds of each step)``, plain training first, in the order they ran.
     """
-    plain = milliseconds_per_step(rows[0][1])
-    table = [("training", "ms / step", "vs plain")]
-    for label, seconds in rows:
-        milliseconds = milliseconds_per_step(seconds)
-        table.append((label, f"{milliseconds:.2f}", f"{milliseconds / plain:.1f}x"))
-    widths = [max(len(row[column]) for row in table) for column in range(3)]
+    plain_seconds = runs[0][1]
+    return [
+        (
+            label,
+            tuple(1000 * value for value in quartiles(steady(block_times(seconds, track_every)))),
+            quartiles(paired_ratios(seconds, plain_seconds, track_every)),
+        )
+        for label, seconds in runs
+    ]
+
+
+def compared_to(ratio, reference_ratio):
+    """``"<median>x (<low>-<high>)"``: one run's time over another's, from the quartiles of their
+    ratios to plain steps (the widest quotients of the quartiles as the range).
+
+    Cockpit 1.0.2 runs a few steps only: each run against the plain steps it ran in turn with,
+    and the two medians divided, takes cockpit_fast's median over all its steps, not over those
+    few (two demo runs on one machine paired step by step gave 1.8x and 2.5x, this 1.9x and 2.1x).
+    """
+    low, median, high = ratio
+    reference_low, reference_median, reference_high = reference_ratio
+    return f"{median / reference_median:.1f}x ({low / reference_high:.1f}-{high / reference_low:.1f})"
+
+
+def print_summary(table, block_count, track_every, note, busy, valid_accuracy, out):
+    """The :func:`timing_table`, a note, the busy-machine warning if any, and where the outputs are.
+
+    Args:
+        block_count (int): Blocks of ``track_every`` steps timed, the first (warm-up) included.
+        note (str): The comparison with Cockpit 1.0.2, or why there is none.
+        busy (str or None): :func:`busy_warning`'s line.
+    """
+    cells = [("training", "ms / step", "(quartiles)", "vs plain", "(quartiles)")]
+    for index, (label, (low, median, high), (ratio_low, ratio, ratio_high)) in enumerate(table):
+        ratio_spread = f"({ratio_low:.1f}-{ratio_high:.1f})" if index else ""  # plain against itself: 1
+        cells.append((label, f"{median:.2f}", f"({low:.2f}-{high:.2f})", f"{ratio:.1f}x", ratio_spread))
+    widths = [max(len(row[column]) for row in cells) for column in range(5)]
     print()
-    for row in table:
-        print(f"  {row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}")
-    every = "every step" if track_every == 1 else f"every {track_every} steps"
-    print(f"  (tracking {every}; mean over the steps, first step left out)")
+    for row in cells:
+        aligned = [f"{row[0]:<{widths[0]}}"] + [f"{cell:>{width}}" for cell, width in zip(row[1:4], widths[1:4])]
+        print("  " + "  ".join(aligned + [row[4]]).rstrip())
+    unit = "steps" if track_every == 1 else f"blocks of {track_every} steps (one tracked)"
+    warm_up = block_count > 1  # left out
+    count = block_count - warm_up
+    print(f"  (medians and quartiles of {count} {unit}, run in turn{', the first left out' if warm_up else ''})")
     print(f"  {note}")
+    if busy is not None:
+        print(f"  {busy}")
     print(f"  validation accuracy after tracked training: {valid_accuracy:.3f}")
     print()
     outputs = [

@@ -156,11 +156,12 @@ def add_guides(ax, color, vertical=(0.0,), horizontal=(0.0,), linewidth=1.5):
         ax.axhline(y, color=color, linewidth=linewidth, zorder=0)
 
 
-def use_log_scale(ax, direction, values):
+def use_log_scale(ax, direction, values, labels=3):
     """Log scale on ``ax``'s ``direction`` ("x" or "y") if all values are positive, with legible ticks.
 
-    Data within one decade get three plain labels instead of a label on every minor tick;
-    data across decades are labelled at the decades only.
+    Data within one decade get plain labels at round values, ``labels`` intervals at most, and no
+    other (a decade's own label, 10^0 among 0.8 and 1.2, would overlap them); data across decades
+    are labelled at the decades only.
     """
     values = np.asarray(values, dtype=float)
     if not len(values) or np.any(values <= 0):
@@ -168,10 +169,9 @@ def use_log_scale(ax, direction, values):
     getattr(ax, f"set_{direction}scale")("log")
     axis = getattr(ax, f"{direction}axis")
     if values.max() < 10 * values.min():
-        axis.set_minor_locator(ticker.MaxNLocator(3))
-        axis.set_minor_formatter(ticker.FormatStrFormatter("%.3g"))
-    else:
-        axis.set_minor_formatter(ticker.NullFormatter())
+        axis.set_major_locator(ticker.MaxNLocator(labels))
+        axis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+    axis.set_minor_formatter(ticker.NullFormatter())
 
 
 def legend_with_latest(ax, percentage=False, **legend_kwargs):

@@ -1,5 +1,6 @@
 """GRADIENTS group: gradient tests and histograms of the individual gradient elements."""
 
+import matplotlib as mpl
 import numpy as np
 
 from cockpit_fast.instruments.drawing import add_guides, missing_panel, titled_axes, use_log_scale
@@ -7,6 +8,10 @@ from cockpit_fast.instruments.tracking_log import as_array
 
 TEST_WINDOW = 2.0  # the central gradient-test plot shows [-TEST_WINDOW, TEST_WINDOW] in both directions
 SYMLOG_THRESHOLD = 0.1
+# Intervals between the labels of a log axis within one decade on the small plots (the tests'
+# histories, the histograms' marginals): they are a few labels high or wide.
+SMALL_PLOT_LABELS = 2
+LABEL_LINE = 1.2 * 8.8  # points: a line of DASHBOARD_RC's tick labels
 
 
 def gradient_tests_panel(ctx, slot):
@@ -24,7 +29,7 @@ def gradient_tests_panel(ctx, slot):
     frame = fig.add_subplot(slot)
     frame.set_axis_off()
     frame.set_title(title, fontweight="bold", fontsize="large")
-    grid = slot.subgridspec(3, 3, wspace=0.05, hspace=0.1)
+    grid = _line_spaced_grid(fig, slot, 3, 3, wspace=0.05)
 
     center = fig.add_subplot(grid[1:, 1:])
     _format_test_center(center, theme)
@@ -87,13 +92,13 @@ def _history_axes(ctx, ax, label, series, rotated=False):
     if rotated:
         ax.set_title(label)
         ax.set_yscale(ctx.iteration_scale)
-        use_log_scale(ax, "x", values)
+        use_log_scale(ax, "x", values, labels=SMALL_PLOT_LABELS)
         ax.xaxis.tick_top()
         ax.yaxis.tick_right()
     else:
         ax.set_ylabel(label)
         ax.set_xscale(ctx.iteration_scale)
-        use_log_scale(ax, "y", values)
+        use_log_scale(ax, "y", values, labels=SMALL_PLOT_LABELS)
     return ax
 
 
@@ -143,7 +148,7 @@ def histogram_2d_panel(ctx, slot, parameter=None):
     frame = fig.add_subplot(slot)
     frame.set_axis_off()
     frame.set_title(title, fontweight="bold", fontsize="large")
-    grid = slot.subgridspec(3, 3, wspace=0, hspace=0)
+    grid = _line_spaced_grid(fig, slot, 3, 3, wspace=0)
 
     joint = fig.add_subplot(grid[1:, :2])
     joint.set_facecolor(theme.panel_face)
@@ -153,6 +158,8 @@ def histogram_2d_panel(ctx, slot, parameter=None):
     )
     add_guides(joint, theme.guide)
     joint.set_xlabel("Parameter element value")
+    # The default pad below the lowest y label, which reaches half a line below the corner.
+    joint.tick_params(axis="x", pad=mpl.rcParams["xtick.major.pad"] + LABEL_LINE / 2)
     joint.set_ylabel("Gradient element\nvalue")
 
     parameter_marginal, gradient_marginal = counts.sum(axis=0), counts.sum(axis=1)
@@ -166,7 +173,7 @@ def histogram_2d_panel(ctx, slot, parameter=None):
         linewidth=0,
     )
     top.tick_params(labelbottom=False)
-    use_log_scale(top, "y", parameter_marginal[parameter_marginal > 0])
+    use_log_scale(top, "y", parameter_marginal[parameter_marginal > 0], labels=SMALL_PLOT_LABELS)
 
     side = fig.add_subplot(grid[1:, 2], sharey=joint)
     side.barh(
@@ -178,7 +185,19 @@ def histogram_2d_panel(ctx, slot, parameter=None):
         linewidth=0,
     )
     side.tick_params(labelleft=False)
-    use_log_scale(side, "x", gradient_marginal[gradient_marginal > 0])
+    side.xaxis.tick_top()  # below, its first label would run into the joint plot's last one
+    use_log_scale(side, "x", gradient_marginal[gradient_marginal > 0], labels=SMALL_PLOT_LABELS)
     joint.set_xlim(parameter_edges[0], parameter_edges[-1])
     joint.set_ylim(gradient_edges[0], gradient_edges[-1])
     return frame
+
+
+
+def _line_spaced_grid(fig, slot, rows, columns, **kwargs):
+    """``slot`` split into ``rows`` x ``columns`` with a line of tick labels between the rows: the
+    y labels centred on the bottom edge of one plot and on the top edge of the one below it would
+    overlap without it."""
+    height = slot.get_position(fig).height * fig.get_figheight() * 72  # points
+    # GridSpec's hspace is the gap in units of the average plot height.
+    hspace = rows * LABEL_LINE / max(height - (rows - 1) * LABEL_LINE, LABEL_LINE)
+    return slot.subgridspec(rows, columns, hspace=hspace, **kwargs)
