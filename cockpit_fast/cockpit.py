@@ -1,5 +1,6 @@
 """``Cockpit``: tracks quantities during training, a drop-in for ``cockpit.Cockpit`` 1.0.2."""
 
+import contextlib
 import json
 import os
 import warnings
@@ -12,7 +13,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast.statistics import ROUTES, StepContext, collect_statistics
+from cockpit_fast.statistics import ROUTES, StepContext, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.per_sample import Engine
@@ -56,6 +57,12 @@ class Cockpit:
             ``torch.distributed`` is initialised when the cockpit is made.
         log_all_ranks (bool, optional): Let every process write logs, not only rank 0; each
             then writes ``<logpath>_rank<r>.json``. Defaults to ``False``.
+        max_kept_bytes (int, optional): In a step accumulated over micro-batches
+            (:meth:`_TrackedBackward.micro_batch`), the statistics that set each sample's
+            gradient against the step's (InnerTest, OrthoTest, Alpha) keep every micro-batch's
+            per-sample gradients (their factors, about the activations a layer's backward pass
+            reads) until the last backward pass; beyond this many bytes they are skipped for the
+            step, with a warning naming them. Defaults to ``None``: no limit.
 
     Raises:
         ValueError: If no parameter requires gradients, or the route is unknown.
@@ -69,8 +76,15 @@ class Cockpit:
     arrays): a value kept as a tensor costs far more memory, and on the CPU reading it waits on
     nothing. On a GPU values stay on the device until output is read (no synchronisation)."""
 
-    def __init__(self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False):
+    capture_grads = False
+    """Keep a copy of each step's gradient as its backward passes make it, before anything
+    changes ``param.grad`` (a trainer clipping it before the step is tracked)."""
+
+    def __init__(
+        self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False, max_kept_bytes=None
+    ):
         self.params = _trainable(params)
+        self.max_kept_bytes = max_kept_bytes
         self.process_group = resolve_group(process_group)
         self.log_all_ranks = log_all_ranks
         if per_sample_route not in ROUTES:
@@ -132,15 +146,17 @@ class Cockpit:
         group = self.process_group if reduces else None
         return _TrackedBackward(self, StepContext(global_step, self.params, info, group), exts, debug)
 
-    def _track(self, ctx, buffers, curvature_names):
-        """Let every quantity track ``ctx``; free ``buffers`` before those that need a clean graph."""
+    def _track(self, ctx, buffers, curvature_names, skipped=()):
+        """Let every quantity but ``skipped`` track ``ctx``; free ``buffers`` before those that
+        need a clean graph."""
         if ctx.group is not None:
             reduce_step(ctx, curvature_names)
         if ctx.has_info("loss"):
             self._nan_loss.observe(ctx.global_step, ctx.loss(self))
-        late = [q for q in self.quantities if q.RUNS_AFTER_CLEANUP]
+        tracked = [q for q in self.quantities if q not in skipped]
+        late = [q for q in tracked if q.RUNS_AFTER_CLEANUP]
         try:
-            for q in self.quantities:
+            for q in tracked:
                 if not q.RUNS_AFTER_CLEANUP:
                     q._track_step(ctx)
         finally:  # a quantity that raises must not leave BackPACK's buffers behind
@@ -356,8 +372,13 @@ def _warn_nan_loss(step, loss, steps):
 
 
 class _TrackedBackward:
-    """Runs one backward pass with the per-sample engine armed (and BackPACK where a quantity
-    asks for its extensions), then tracks the quantities."""
+    """One tracked step: ``with cockpit(global_step, info=...) as tracked:``.
+
+    Its backward passes run with the per-sample engine armed (and BackPACK where a quantity asks
+    for its extensions); on exit the quantities track the step. A step accumulated over
+    micro-batches calls :meth:`micro_batch` after each micro-batch's forward pass and before
+    its backward pass: the step's statistics are then those of the union of the micro-batches.
+    """
 
     def __init__(self, cockpit, ctx, user_exts, debug):
         self._cockpit = cockpit
@@ -378,8 +399,19 @@ class _TrackedBackward:
         extensions = _unique_by_type([*user_exts, *(e for q in cockpit.quantities for e in q.extensions(step))])
         self._extensions = extensions
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
-        self._grads = None
-        self._whole_graph = {}
+        self._keep_graph = cockpit.create_graph(step)
+        self._reads_micro = any(q.reads_micro_batches(step) for q in cockpit.quantities)
+        self._micro_norms = []  # (samples, squared norm per parameter) of each ended micro-batch
+        self._grads = None  # GradientCapture: the step's gradients, pass by pass
+        self._pass = None  # the engine's pass of the micro-batch under way
+        self._given = None  # (individual losses, loss, their weight) of the micro-batch under way
+        self._ended = []  # that of every micro-batch whose backward pass ended
+        self._total = {}  # {index: gradient} of the ended backward passes
+        self._statistics = None
+        self._micro = False  # micro_batch() started the passes
+        self._unplanned = None  # why the pass begun at entry could not be planned (no losses)
+        self._size = None  # samples of the micro-batch under way, where told
+        self._open = False
         kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
         hooks = merged_hooks([h for q in cockpit.quantities for h in q.extension_hooks(step)])
         transforms = {"grad_batch_transforms"} if hooks else set()  # where Cockpit's hooks write
@@ -400,50 +432,267 @@ class _TrackedBackward:
         _check_curvature_support(cockpit._engine, self._extensions, self._requested_by)
         if ctx.requests:
             _refuse_earlier_gradients(cockpit.params)
-            losses = ctx.given("individual_losses")
-            # The engine's own backward passes before the user's keep what BackPACK stored in
-            # the forward pass (each backward pass frees it unless told to retain it).
-            with backpack(retain_graph=True):
-                _check_batch_size(ctx, cockpit._engine.capture.calls())
+            size = int(ctx.given("batch_size")) if ctx.has_info("batch_size") else None
+            self._statistics = StepStatistics(
+                cockpit.params, ctx.requests, cockpit.per_sample_route, size, cockpit.max_kept_bytes
+            )
+            self._begin(ctx.given("individual_losses"), ctx.given("loss"), micro=False)
+        if ctx.group is not None or ctx.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
+            self._grads = GradientCapture(
+                cockpit.params, self._keep_graph, copy=ctx.group is not None or cockpit.capture_grads
+            )
+        for context in self._contexts:
+            context.__enter__()
+        self._open = True
+        return self
+
+    def micro_batch(self, individual_losses=None, loss=None, batch_size=None):
+        """Start the next micro-batch of a step accumulated over several: call it after the
+        micro-batch's forward pass and before its backward pass, the first micro-batch's too.
+
+        The step's statistics are those of the union of its micro-batches, each sample's
+        gradient that of its own loss as the backward passes weigh it (``info['batch_size']``
+        times its share of the step's gradient). A micro-batch's loss is best its losses' sum
+        over ``info['batch_size']`` (``mean / k`` for k micro-batches of one size): the
+        individual gradients are then exactly those of the samples' own losses.
+
+        Args:
+            individual_losses (torch.Tensor, optional): The micro-batch's per-sample losses,
+                ``(N_m,)`` or ``(N_m, 1)``, with their graph, where a quantity needs them.
+            loss (torch.Tensor, optional): The loss its backward pass runs on (before a
+                ``GradScaler`` scales it): with ``individual_losses``, tells how the pass weighs
+                each sample (else ``1 / info['batch_size']``); the step's ``info['loss']`` is
+                the micro-batches' sum.
+            batch_size (int, optional): The micro-batch's number of samples where no
+                ``individual_losses`` tell it: the gradient noise scale from micro-batches
+                (``GradNoiseScale(..., estimator="micro_batches")``) reads it.
+
+        Raises:
+            ValueError: Outside the ``with`` block; where the step's ``info`` holds the whole
+                step's ``individual_losses``; for ``individual_losses`` without ``loss`` where
+                ``info`` lacks ``batch_size``; for losses that disagree with the forward pass's
+                samples; where a quantity needs BackPACK's curvatures or a kept graph (not
+                combined over micro-batches); when a micro-batch ran no backward pass or two.
+        """
+        cockpit, ctx = self._cockpit, self._ctx
+        if not self._open:
+            raise ValueError("micro_batch() starts a micro-batch inside `with cockpit(...) as tracked:`, before its backward pass")
+        given = {name: value for name, value in (("individual_losses", individual_losses), ("loss", loss)) if value is not None}
+        check_info(given)
+        if ctx.has_info("individual_losses"):
+            raise ValueError(
+                "info['individual_losses'] are the losses of a step of one backward pass: with micro-batches, hand "
+                "each micro-batch's to micro_batch(individual_losses=...)"
+            )
+        ran = self._grads is not None and self._grads.passes > 0
+        if ran or (self._micro and self._grads is None):
+            self._end_pass(last=False)
+        elif self._pass is not None:  # begun at entry, before any backward pass: not a micro-batch
+            cockpit._engine.end(self._pass, failed=True)
+            self._pass = None
+        self._unplanned = None
+        self._refuse_uncombined()
+        self._micro = True
+        if ctx.requests:
+            self._begin(individual_losses, loss, micro=True)
+        else:
+            self._given = (individual_losses, loss, None)
+        self._size = individual_losses.numel() if individual_losses is not None else batch_size
+
+    def _refuse_uncombined(self):
+        """What is not combined over micro-batches yet: a clear error on the second."""
+        if not self._ended:
+            return
+        needs = [name for e in self._extensions for name in self._requested_by.get(type(e), [type(e).__name__])]
+        needs += [type(q).__name__ for q in self._cockpit.quantities if q.create_graph(self._ctx.global_step)]
+        if needs:
+            raise ValueError(
+                f"{', '.join(sorted(set(needs)))} cannot be combined over micro-batches (they need BackPACK's "
+                "curvatures or the gradient's graph of one backward pass): track them on steps of one backward pass"
+            )
+
+    def _begin(self, losses, loss, micro):
+        """Let the engine plan the per-sample gradients of the backward pass to come."""
+        cockpit, ctx = self._cockpit, self._ctx
+        calls = cockpit._engine.capture.calls()
+        # The engine's own backward passes before the user's keep what BackPACK stored in
+        # the forward pass (each backward pass frees it unless told to retain it), and are
+        # none of the step's gradients.
+        if self._grads is not None:
+            self._grads.remove()
+        with backpack(retain_graph=True), _then(self._grads and self._grads.attach):
+            if micro:
+                count = None if losses is None else losses.numel()
+                _check_samples(count, "micro_batch(individual_losses=...)", calls)
+                weight = _weight_of_each_sample(losses, loss, self._statistics.batch_size)
+                size = count
+            else:
+                _check_batch_size(ctx, calls)
                 if not cockpit._mean_checked:
                     _check_mean_loss(ctx)
                     cockpit._mean_checked = True
-                scale = 1.0 / losses.numel() if isinstance(losses, torch.Tensor) and losses.numel() else 1.0
-                self._pass = cockpit._engine.begin(losses, scale, ctx.given_batch_size(), ctx.given("loss"))
-        if ctx.group is not None or ctx.requests:  # the gradient statistics read, this rank's own
-            keep_graph = cockpit.create_graph(ctx.global_step)
-            self._grads = GradientCapture(cockpit.params, keep_graph, copy=ctx.group is not None)
-        for context in self._contexts:
-            context.__enter__()
+                weight = 1.0 / losses.numel() if isinstance(losses, torch.Tensor) and losses.numel() else 1.0
+                size = ctx.given_batch_size()
+            try:
+                self._pass = cockpit._engine.begin(losses, weight, size, loss)
+            except ValueError as error:
+                if micro or losses is not None:
+                    raise
+                self._unplanned = error  # a forward pass that needs losses: micro_batch() may hand them in yet
+        self._given = (losses, loss, weight)
+
+    def _end_pass(self, last):
+        """After a micro-batch's backward pass: its gradients and per-sample statistics."""
+        cockpit, ctx = self._cockpit, self._ctx
+        if self._unplanned is not None:
+            raise self._unplanned
+        grads, passes = self._grads.take() if self._grads is not None else ({}, 1)
+        if self._grads is not None and not passes:
+            raise ValueError(
+                "no backward pass reached the tracked parameters "
+                + ("after micro_batch()" if self._micro else "inside `with cockpit(...)`: call loss.backward() inside the `with` block")
+            )
+        if passes > 1 and ctx.requests:
+            raise ValueError(
+                f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
+                "accumulation?): call tracked.micro_batch(...) before each micro-batch's backward pass, in "
+                "`with cockpit(...) as tracked:`"
+            )
+        if ctx.unscale != 1.0:
+            grads = {index: g * ctx.unscale for index, g in grads.items()}
+        elif not last:  # the next pass may add into the tensor autograd handed on, now param.grad
+            grads = {index: g.clone() for index, g in grads.items()}
+        for index, grad in grads.items():
+            self._total[index] = grad if index not in self._total else self._total[index] + grad
+        if self._reads_micro:
+            self._micro_norms.append((self._size, [grads[i].double().square().sum() if i in grads else None for i in range(len(ctx.params))]))
+        if self._pass is not None:
+            step, self._pass = self._pass, None
+            keyed = {id(ctx.params[index]): grad for index, grad in grads.items()}
+            self._statistics.add(cockpit._engine.end(step, keyed, unscale=ctx.unscale))
+        self._ended.append(self._given)
 
     def __exit__(self, exc_type, exc, traceback):
         cockpit, ctx = self._cockpit, self._ctx
+        self._open = False
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
-        if self._grads is not None:
-            self._grads.remove()
-            ctx.local_grads = {i: g * ctx.unscale for i, g in self._grads.grads.items()} if ctx.unscale != 1.0 else self._grads.grads
-            wrong = exc_type is None and (
-                "no backward pass reached the tracked parameters inside `with cockpit(...)`: call loss.backward() "
-                "inside the `with` block" if not self._grads.passes else
-                "more than one backward pass ran inside one `with cockpit(...)` (gradient accumulation over "
-                "micro-batches?): per-sample statistics of several backward passes cannot be combined yet; track "
-                "one backward pass per step" if self._grads.passes > 1 and ctx.requests else None
-            )
-            if wrong:
-                if ctx.requests:
-                    self._cockpit._engine.end(self._pass, failed=True)
+        try:
+            if exc_type is None and (self._pass is not None or self._grads is not None or self._micro):
+                self._end_pass(last=True)
+        except BaseException:
+            exc_type = ValueError
+            raise
+        finally:
+            if self._grads is not None:
+                self._grads.remove()
+            if self._pass is not None:  # a pass that failed, or never ended
+                cockpit._engine.end(self._pass, failed=True)
+                self._pass = None
+            if exc_type is not None:
                 cockpit._free(self._buffers, ctx)
-                raise ValueError(wrong)
-        forms = {}
-        if ctx.requests:
-            grads = {id(ctx.params[index]): grad for index, grad in ctx.local_grads.items()}
-            forms = cockpit._engine.end(self._pass, grads, failed=exc_type is not None, unscale=ctx.unscale)
         if exc_type is not None:
-            cockpit._free(self._buffers, ctx)
             return
-        collect_statistics(ctx, forms, cockpit.per_sample_route)
-        cockpit._track(ctx, self._buffers, self._curvature_names)
+        skipped = self._finish()
+        cockpit._track(ctx, self._buffers, self._curvature_names, skipped)
+
+    def _finish(self):
+        """The step's gradient, statistics and ``info`` over its micro-batches; returns the
+        quantities skipped for the step."""
+        cockpit, ctx = self._cockpit, self._ctx
+        ctx.local_grads = self._total
+        if ctx.group is None and self._grads is not None and len(ctx.local_grads) == len(ctx.params):
+            ctx.set_global_grads([ctx.local_grads[i].detach() for i in range(len(ctx.params))])
+        stats = self._statistics
+        if self._micro:
+            _combine_info(ctx, self._ended, None if stats is None else stats.samples)
+        if self._reads_micro:
+            ctx.set_micro_batch_norms(*_micro_batch_norms(self._micro_norms, ctx))
+        if stats is None:
+            return []
+        if self._micro and stats.batch_size is not None and stats.samples != stats.batch_size:
+            raise ValueError(
+                f"info['batch_size'] is {stats.batch_size}, but the step's micro-batches held {stats.samples} samples"
+            )
+        ctx.local_batch_size = stats.samples or None
+        for statistic, index, value in stats.values():
+            ctx.store(statistic, index, value)
+        if ctx.group is not None:
+            ctx.deferred = stats
+        else:
+            grads = {i: g.detach() for i, g in ctx.local_grads.items()}
+            for statistic, index, value in stats.later(grads):
+                ctx.store(statistic, index, value)
+        if not stats.dropped:
+            return []
+        skipped = [q for q in cockpit.quantities if q.statistics(ctx) & stats.skipped]
+        warnings.warn(
+            f"[Step {ctx.global_step}] {', '.join(type(q).__name__ for q in skipped)} skipped: the micro-batches' "
+            f"per-sample gradients they wait for (the step's gradient, or its batch size: info['batch_size']) "
+            f"outgrew max_kept_bytes={cockpit.max_kept_bytes}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return skipped
+
+
+@contextlib.contextmanager
+def _then(action):
+    """Runs ``action`` (if any) on leaving the block, however it is left."""
+    try:
+        yield
+    finally:
+        if action:
+            action()
+
+
+def _weight_of_each_sample(losses, loss, batch_size):
+    """How a micro-batch's backward pass weighs each sample's loss: ``loss / sum(losses)`` where
+    both are given (any uniform weighting: a mean over the micro-batch divided by their count,
+    a sum over the step's batch size), else ``1 / batch_size``; None without losses."""
+    if not isinstance(losses, torch.Tensor):
+        return None
+    if isinstance(loss, torch.Tensor):
+        total = losses.detach().double().sum()
+        if total.isfinite() and total != 0:
+            return float(loss.detach().double().reshape(()) / total)
+    if batch_size is None:
+        raise ValueError(
+            "micro_batch(individual_losses=...) needs the micro-batch's loss too (loss=..., the one its backward "
+            "pass runs on), or info['batch_size'] of the whole step (each micro-batch's loss then its losses' sum "
+            "over it)"
+        )
+    return 1.0 / batch_size
+
+
+def _micro_batch_norms(norms, ctx):
+    """``(sizes, squared norms)`` of the micro-batches (see ``StepContext.micro_batch_norms``)."""
+    if len(norms) == 1 and norms[0][0] is None:  # the step's one backward pass
+        norms = [(ctx.given_batch_size() or 0, norms[0][1])]
+    if any(size is None for size, _ in norms):
+        raise ValueError(
+            "the gradient noise scale from micro-batches needs each micro-batch's size: "
+            "tracked.micro_batch(individual_losses=...) or tracked.micro_batch(batch_size=...)"
+        )
+    device = ctx.params[0].device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    squared = torch.stack([torch.stack([zero if v is None else v for v in values]) for _, values in norms])
+    step = torch.stack([ctx.local_grads[i].double().square().sum() if i in ctx.local_grads else zero for i in range(len(ctx.params))])
+    return torch.tensor([size for size, _ in norms], dtype=torch.float64, device=device), squared, step
+
+
+def _combine_info(ctx, ended, samples):
+    """The step's ``batch_size``, ``individual_losses`` and ``loss`` from its micro-batches'
+    (where the step's ``info`` lacks them and every micro-batch handed them in): each sample's
+    loss weighed as the backward passes weighed it, so that their mean is the step's loss."""
+    if not ctx.has_info("batch_size") and samples:
+        ctx.replace_info(batch_size=samples)
+    n = int(ctx.given("batch_size")) if ctx.has_info("batch_size") else None
+    if all(losses is not None and weight is not None for losses, _, weight in ended) and n:
+        pieces = [losses.detach().reshape(-1) * (n * weight) for losses, _, weight in ended]
+        ctx.replace_info(individual_losses=torch.cat(pieces))
+    if not ctx.has_info("loss") and all(loss is not None for _, loss, _ in ended):
+        ctx.replace_info(loss=sum(loss.detach().reshape(()) for _, loss, _ in ended))
 
 
 def _record_visited(ctx):
@@ -501,13 +750,17 @@ def _check_batch_size(ctx, calls):
             f"info['individual_losses'] holds {count} losses but info['batch_size'] is {int(ctx.given('batch_size'))}: "
             "hand in one loss per sample of this batch"
         )
-    told = ctx.given_batch_size()
+    name = "info['batch_size']" if ctx.has_info("batch_size") else "info['individual_losses']"
+    _check_samples(ctx.given_batch_size(), name, calls)
+
+
+def _check_samples(told, name, calls):
+    """``told`` samples (by ``name``) against those of the forward pass's module calls."""
     seen = Counter(call.batch_size for call in calls if not call.shared)
     if told is None or not seen or told in seen:
         return
-    name = "batch_size" if ctx.has_info("batch_size") else "individual_losses"
     raise ValueError(
-        f"info['{name}'] tells {told} samples, but the forward pass this backward pass runs through had "
+        f"{name} tells {told} samples, but the forward pass this backward pass runs through had "
         f"{seen.most_common(1)[0][0]} (along the sample dimension of its module calls): hand in the batch's own "
         "size and losses (a last batch may be smaller)"
     )

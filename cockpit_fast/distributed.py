@@ -32,7 +32,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from cockpit_fast.statistics import compute_statistics
 
 
 def resolve_group(process_group):
@@ -51,10 +50,11 @@ def is_writer(process_group, all_ranks=False):
 
 
 class GradientCapture:
-    """Keeps this rank's gradient of every tracked parameter from one backward pass.
+    """Keeps this rank's gradient of every tracked parameter from the backward passes of a step.
 
     Tensor hooks see the gradient before it is accumulated into ``param.grad`` (where
-    DistributedDataParallel averages it in place), so the copy is the rank's own.
+    DistributedDataParallel averages it in place, and a trainer clips it), so the copy is the
+    rank's own. Backward passes since the last :meth:`take` add up.
 
     Args:
         params (list[torch.Tensor]): The tracked parameters.
@@ -65,18 +65,37 @@ class GradientCapture:
 
     def __init__(self, params, keep_graph, copy=True):
         self.grads = {}
-        self.passes = 0  # most backward passes that reached one parameter
-        self._handles = [p.register_hook(self._keeper(i, keep_graph, copy)) for i, p in enumerate(params)]
+        self._tasks = set()  # the backward passes (autograd graph tasks) that reached a parameter
+        self._keepers = [(p, self._keeper(i, keep_graph, copy)) for i, p in enumerate(params)]
+        self._handles = []
+        self.attach()
+
+    def attach(self):
+        """Keep the gradients of the backward passes from now on (again, after :meth:`remove`)."""
+        self._handles = [p.register_hook(keep) for p, keep in self._keepers]
+
+    @property
+    def passes(self):
+        """How many backward passes reached a tracked parameter since the last :meth:`take`."""
+        return len(self._tasks)
 
     def _keeper(self, index, keep_graph, copy):
         def keep(grad):
-            self.passes = max(self.passes, 2 if index in self.grads else 1)
-            self.grads[index] = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
+            self._tasks.add(torch._C._current_graph_task_id())
+            kept = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
+            self.grads[index] = kept if index not in self.grads else self.grads[index] + kept
 
         return keep
 
+    def take(self):
+        """The gradients of the backward passes since the last call (``{index: gradient}``) and
+        how many passes there were; the next passes start anew."""
+        grads, passes = self.grads, self.passes
+        self.grads, self._tasks = {}, set()
+        return grads, passes
+
     def remove(self):
-        """Remove the hooks."""
+        """Remove the hooks (the per-sample engine's own backward passes are none of the step's)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -148,12 +167,10 @@ def reduce_step(ctx, curvature_names=()):
         ctx.replace_info(loss=next(totals) / global_n)
 
     # Statistics that read the mini-batch gradient, now that it is the global one.
-    later = {s for s in statistics if s.uses_mean_grad}
-    grads = ctx.grads()
-    for index, (param, source) in sorted(ctx.deferred.items()):
-        for statistic, value in compute_statistics(index, param, source, later, grad=grads[index], route=ctx.route).items():
+    if ctx.deferred is not None:
+        for statistic, index, value in ctx.deferred.later(ctx.grads()):
             ctx.store(statistic, index, value)
-    ctx.deferred.clear()
+        ctx.deferred = None
 
     # 3. Per-sample values in the global batch's units, concatenated in rank order.
     per_sample = values_of("per_sample")

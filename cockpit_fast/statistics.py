@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
+from cockpit_fast.per_sample.grads import held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
@@ -44,14 +45,17 @@ class HotParameter:
             (a chunk of ``form``), in BackPACK's ``grad_batch`` units.
         grad (torch.Tensor, optional): The mini-batch gradient; by default the form's.
         route (str): One of :data:`ROUTES`.
+        batch_size (int, optional): N of the step's batch, by which ``grad_batch`` is multiplied
+            to be the individual gradients; by default the form's (more where the form holds
+            one micro-batch of several).
     """
 
-    def __init__(self, index, param, form, grad_batch=None, grad=None, route="auto"):
+    def __init__(self, index, param, form, grad_batch=None, grad=None, route="auto", batch_size=None):
         self.index = index
         self.param = param
         self.form = form
         self.grad_batch = grad_batch
-        self.batch_size = form.batch_size
+        self.batch_size = form.batch_size if batch_size is None else batch_size
         self.route = route
         if grad is not None:
             self.grad = grad
@@ -271,13 +275,13 @@ class StepContext:
         self.requests = set()
         self._results = defaultdict(dict)
         self.local_batch_size = None  # samples of this rank, as the per-sample gradients have them
-        self.local_grads = {}  # index -> this rank's gradient (distributed only)
-        self.deferred = {}  # index -> (param, form) of statistics waiting for the global gradient
-        self.route = "auto"  # how the statistics are computed (ROUTES)
+        self.local_grads = {}  # index -> this rank's gradient of the step (its backward passes')
+        self.deferred = None  # StepStatistics whose statistics wait for the global gradient
         self.extended_params = []  # every parameter BackPACK's extensions visited, tracked or not
         self._global_grads = None
         self._grad_l2_squared = None
         self._curvatures = {}
+        self._micro_batch_norms = None
         self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
         self.rank_sizes = None  # every rank's batch size, once reduced
         scaler = info.get("grad_scaler") if hasattr(info, "get") else None
@@ -358,7 +362,9 @@ class StepContext:
         return sum(self.per_param(statistic))
 
     def set_global_grads(self, grads):
-        """The mini-batch gradients of the global batch, from the distributed reduction."""
+        """The mini-batch gradients of the step's batch: the global batch's, from the distributed
+        reduction, or the sum of this process's backward passes (captured before a trainer
+        clips ``param.grad``)."""
         self._global_grads = grads
         self._grad_l2_squared = None
 
@@ -387,6 +393,20 @@ class StepContext:
             self._grad_l2_squared = sum((g**2).sum() for g in self.grads())
         return self._grad_l2_squared
 
+    def set_micro_batch_norms(self, sizes, squared_norms, step_squared_norms):
+        """Each micro-batch's size and squared gradient norms, and the step's, from the cockpit."""
+        self._micro_batch_norms = (sizes, squared_norms, step_squared_norms)
+
+    def micro_batch_norms(self, quantity):
+        """``(sizes, squared_norms, step_squared_norms)``: each micro-batch's number of samples,
+        ``(k,)``, the squared norms of its gradient per tracked parameter, ``(k, P)``, in the
+        step's units (the micro-batch's share of the step's gradient), and those of the step's
+        gradient, ``(P,)``, this process's own; float64; ``k = 1`` on a step of one backward
+        pass."""
+        if self._micro_batch_norms is None:
+            raise RuntimeError(f"{type(quantity).__name__}: the micro-batches' gradient norms were not kept at this step")
+        return self._micro_batch_norms
+
     def set_curvature(self, name, values):
         """The diagonal curvature ``name`` of the global batch, from the distributed reduction."""
         self._curvatures[name] = values
@@ -403,31 +423,90 @@ def flatten(tensors):
     return torch.cat([t.flatten() for t in tensors])
 
 
-def collect_statistics(ctx, forms, route="auto"):
-    """Compute ``ctx.requests`` of every tracked parameter from ``forms`` (``{id(param): form}``)
-    and store them in ``ctx``. Under ``torch.distributed`` the statistics of the mini-batch
-    gradient wait for the global one (``ctx.deferred``)."""
-    ctx.route = route
-    for index, param in enumerate(ctx.params):
-        form = forms.get(id(param))
-        if form is None:  # not used by this backward pass: per_param() will say so
-            continue
-        ctx.local_batch_size = form.batch_size
-        now = ctx.requests
-        if ctx.group is not None:
-            later = {s for s in now if s.uses_mean_grad}
-            if later:
-                ctx.deferred[index] = (param, form)
-            now = now - later
-        # The gradient autograd gave (not re-formed from the per-sample ones), while it is this
-        # process's alone.
-        grad = ctx.local_grads.get(index) if ctx.group is None else None
-        grad = None if grad is None else grad.detach()
-        for statistic, value in compute_statistics(index, param, form, now, grad, route).items():
-            ctx.store(statistic, index, value)
+class StepStatistics:
+    """The requested statistics of one step, over its micro-batches (its backward passes).
+
+    Each micro-batch's statistics are computed when its backward pass ends (:meth:`add`) and
+    combined as consecutive chunks of samples are (:meth:`Statistic.merge`): sums add up,
+    per-sample values are concatenated, maxima taken; a micro-batch is to the step what a rank
+    is to the global batch under ``torch.distributed``. What cannot be computed yet waits, its
+    forms kept: the statistics that read the step's gradient (dot products with it), and all of
+    them where the step's batch size, the units of its individual gradients, is not known before
+    the last micro-batch. Beyond the first micro-batch, at most ``keep_limit`` bytes are kept;
+    past it what waits is dropped (:attr:`skipped`).
+
+    Args:
+        params (list[torch.Tensor]): The tracked parameters.
+        requests (set[Statistic]): What the quantities asked for.
+        route (str): One of :data:`ROUTES`.
+        batch_size (int, optional): N of the step's batch (the forms are in the units of its loss,
+            each sample's gradient over N); None: the samples of all micro-batches, once known.
+        keep_limit (int, optional): Most bytes of forms kept; None: no limit.
+    """
+
+    def __init__(self, params, requests, route="auto", batch_size=None, keep_limit=None):
+        self.params, self.route, self.batch_size, self.keep_limit = params, route, batch_size, keep_limit
+        waiting = {s for s in requests if s.uses_mean_grad}
+        # What waits for the end of the step: all of it where the units are not known before.
+        self._at_end = set(requests) if batch_size is None else waiting
+        self._now = set(requests) - self._at_end
+        self._waiting = waiting
+        self._parts = defaultdict(lambda: defaultdict(list))  # statistic -> index -> each micro-batch's value
+        self._kept = []  # [(index, param, form)] of each micro-batch, for self._at_end
+        self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
+        self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
+        self.samples = 0  # samples of the micro-batches so far
+        self.micro_batches = 0
+
+    @property
+    def skipped(self):
+        """The statistics dropped for the step (none unless :attr:`dropped`)."""
+        return self._at_end if self.dropped else set()
+
+    def add(self, forms):
+        """One micro-batch's per-sample gradients, ``{id(param): form}``."""
+        self.micro_batches += 1
+        # Not used by this backward pass: per_param() will say so.
+        found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
+        self.samples += max((form.batch_size for _, _, form in found), default=0)
+        self._compute(found, self._now, self.batch_size)
+        if self._at_end and not self.dropped:
+            self._kept.append(found)
+            self.kept_bytes += sum(held_bytes(form) for _, _, form in found)
+            if self.micro_batches > 1 and self.keep_limit is not None and self.kept_bytes > self.keep_limit:
+                self._kept.clear()
+                self.dropped = True
+
+    def _compute(self, found, statistics, batch_size, grads=None):
+        for index, param, form in found:
+            grad = None if grads is None else grads[index]
+            values = compute_statistics(index, param, form, statistics, grad, self.route, batch_size=batch_size)
+            for statistic, value in values.items():
+                self._parts[statistic][index].append(value)
+
+    def values(self):
+        """``(statistic, index, value)`` over the micro-batches of every statistic but those that
+        read the step's gradient."""
+        pending = self._at_end - self._waiting
+        for found in self._kept:
+            self._compute(found, pending, self.batch_size or self.samples)
+        yield from self._merged(self._now | pending)
+
+    def later(self, grads):
+        """``(statistic, index, value)`` of the statistics that read the step's gradient ``grads``
+        (indexed like the parameters); none where their forms were dropped."""
+        for found in self._kept:
+            self._compute(found, self._waiting, self.batch_size or self.samples, grads)
+        self._kept = []
+        yield from self._merged(self._waiting)
+
+    def _merged(self, statistics):
+        for statistic in statistics:
+            for index, values in self._parts.pop(statistic, {}).items():
+                yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
 
 
-def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
+def compute_statistics(index, param, form, statistics, grad=None, route="auto", batch_size=None):
     """``statistics`` of the ``index``-th parameter from its per-sample gradient ``form``.
 
     Args:
@@ -435,13 +514,14 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
         grad (torch.Tensor, optional): The mini-batch gradient statistics read as ``hot.grad``;
             by default this process's own, the form's.
         route (str): One of :data:`ROUTES`.
+        batch_size (int, optional): N of the step's batch (:class:`HotParameter`).
 
     Returns:
         dict: statistic -> value.
     """
     if not statistics:
         return {}
-    hot = HotParameter(index, param, form, grad=grad, route=route)
+    hot = HotParameter(index, param, form, grad=grad, route=route, batch_size=batch_size)
     values, from_chunks = {}, set()
     # Histograms first, dot products last: the closed forms most often missing are tried before
     # the costly ones (a dot product through factors is a weight-gradient product), which are
@@ -461,7 +541,7 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto"):
         for chunk in form.chunks():
             if chunk.dtype != param.dtype and param.is_floating_point():
                 chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
-            chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route)
+            chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)
             for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
                 parts[statistic].append(value)
         for statistic in from_chunks:

@@ -4,6 +4,7 @@ The same model, initial weights and global batches either way: rank r trains on 
 each global batch. Each run saves ``{"output": cockpit.get_output(), "written": [...]}``.
 """
 
+import contextlib
 import datetime
 import os
 import traceback
@@ -50,6 +51,10 @@ def every_quantity():
 
 QUANTITY_SETS = {
     "every": every_quantity,
+    # What combines over micro-batches: every quantity but BackPACK's curvatures and HessMaxEV.
+    "first_order": lambda: [
+        quantity for quantity in every_quantity() if not isinstance(quantity, (q.TICDiag, q.TICTrace, q.HessTrace))
+    ],
     "hessian_max_ev": lambda: [q.HessMaxEV(schedules.linear(1))],
     "alpha_adam": lambda: [q.Alpha(schedules.linear(1))],
     "time_only": lambda: [q.Time(schedules.linear(1))],
@@ -72,10 +77,29 @@ def weighted_allreduce(share, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def accumulated_step(model, opt, cockpit, step, batch, individual_loss_fn, micro_batches):
+    """One step over ``micro_batches`` micro-batches of ``batch`` (of unequal sizes where it does
+    not divide), DistributedDataParallel's synchronisation left for the last (``no_sync()``)."""
+    inputs, labels = batch
+    opt.zero_grad()
+    parts = list(zip(inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)))
+    with cockpit(step, info={"batch_size": len(inputs), "optimizer": opt}) as tracked:
+        for index, (x, y) in enumerate(parts):
+            last = index == len(parts) - 1
+            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            with model.no_sync() if ddp and not last else contextlib.nullcontext():
+                losses = individual_loss_fn(model(x), y)
+                loss = losses.sum() / len(inputs)
+                tracked.micro_batch(individual_losses=losses, loss=loss)
+                loss.backward()
+    opt.step()
+
+
 def train(config, rank=0, rank_sizes=None, out=None):
     """Train ``config["steps"]`` steps; rank ``rank`` of ``len(rank_sizes)`` takes its slice.
 
-    config keys: model, quantities (a QUANTITY_SETS key), steps, route, optimizer, sync
+    config keys: model, quantities (a QUANTITY_SETS key), steps, route, optimizer, micro_batches
+    (each step accumulated over that many micro-batches of the rank's slice), sync
     ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
     fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
     step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
@@ -125,9 +149,12 @@ def train(config, rank=0, rank_sizes=None, out=None):
         labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + local_n]
         tracked = step + (config.get("step_offset_on_rank1", 0) if rank == 1 else 0)
         batch = inputs, labels
-        training_step(
-            model, opt, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=cockpit, step=tracked, after_backward=sync
-        )
+        if config.get("micro_batches"):
+            accumulated_step(model, opt, cockpit, tracked, batch, individual_loss_fn, config["micro_batches"])
+        else:
+            training_step(
+                model, opt, batch, individual_loss_fn, loss_fn=loss_fn, cockpit=cockpit, step=tracked, after_backward=sync
+            )
     written = []
     if out is not None:
         logpath = str(Path(out) / "log")

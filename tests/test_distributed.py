@@ -61,6 +61,19 @@ def test_every_quantity_equals_one_process_on_the_global_batch(model, rank_sizes
     assert hist.sum() == sum(rank_sizes) * n_params
 
 
+def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(tmp_path):
+    # Each rank accumulates its slice over micro-batches (5 -> 2 + 2 + 1, 3 -> 1 + 1 + 1): a
+    # micro-batch is to its rank what a rank is to the global batch.
+    config = {"model": "mlp", "quantities": "first_order", "steps": STEPS, "micro_batches": 3}
+    expected = _one_process({**config, "micro_batches": None}, 8)
+    for rank, result in enumerate(run_group([5, 3], config, tmp_path)):
+        assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
+        assert_same_output(
+            _without_time(result["output"]), _without_time(expected), rtol=1e-4, atol=1e-6,
+            max_count_diff=EDGE_COUNTS, path=f"rank {rank}",
+        )
+
+
 def test_bin_adaptation_off_the_histogram_schedule_uses_the_global_batch(tmp_path):
     config = {"model": "mlp", "quantities": "adapt_off_schedule", "steps": 5, "route": "auto"}
     expected = _one_process(config, 5)

@@ -276,7 +276,7 @@ def _accumulation_steps(model, cockpit, micro_batches, first_outside=False):
 def test_gradient_accumulation_is_a_clear_error_not_wrong_numbers(first_outside):
     model = _mlp()
     cockpit = Cockpit(list(model.parameters()), quantities=[quantities.GradHist1d(EVERY)])
-    match = "hold gradients from before" if first_outside else "more than one backward pass ran inside one"
+    match = "hold gradients from before" if first_outside else "2 backward passes ran for one step"
     with pytest.raises(ValueError, match=match):
         _accumulation_steps(model, cockpit, [4, 3], first_outside)
 

@@ -215,3 +215,55 @@ def test_distributed_ranks_equal_one_process_on_the_global_batch(tmp_path, monke
         for step in range(3):
             for key, value in expected[step].items():
                 assert output[step][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (rank, step, key)
+
+
+def _micro_batch_run(sizes, estimator, seed=0):
+    """One step of the MLP over micro-batches of ``sizes``, tracked by GradNoiseScale; returns its
+    output and the float64 per-sample gradients of the batch (N, D) from torch.func."""
+    model, batch, losses_of = _build("mlp", torch.float32, seed)
+    x, y = batch(sum(sizes), torch.Generator().manual_seed(seed))
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNoiseScale(EVERY, decay=0.0, estimator=estimator)])
+    with cockpit(0, info={"batch_size": len(x)}) as tracked:
+        for xm, ym in zip(x.split(sizes), y.split(sizes)):
+            losses = losses_of(model, xm, ym)
+            tracked.micro_batch(batch_size=len(xm))
+            (losses.sum() / len(x)).backward()
+    twin = _build("mlp", torch.float64, seed)[0]
+    twin.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    g = torch.cat([part.reshape(len(x), -1) for part in any_models.oracle_grads(twin, list(twin.parameters()), losses_of, x.double(), y)], 1)
+    return cockpit.get_output()[0]["GradNoiseScale"], g
+
+
+@pytest.mark.parametrize("sizes", [[3, 5], [2, 2, 4], [1, 6, 1]])
+def test_the_micro_batch_estimator_against_its_formula_on_float64_per_sample_gradients(sizes):
+    output, g = _micro_batch_run(sizes, "micro_batches")
+    n, k = g.shape[0], len(sizes)
+    mean_sq = (g.mean(0) ** 2).sum()
+    small = sum(len(part) * (part.mean(0) ** 2).sum() for part in g.split(sizes)) / n  # sum_m B_m |G_m|^2 / B
+    trace_sigma = (small - mean_sq) * n / (k - 1)
+    assert output["trace_sigma"] == pytest.approx(float(trace_sigma), rel=1e-4)
+    assert output["grad_sq"] == pytest.approx(float(mean_sq - trace_sigma / n), rel=1e-4)
+
+
+def test_the_micro_batch_estimator_with_one_sample_per_micro_batch_is_the_per_sample_one():
+    sizes = [1] * 6
+    micro, _ = _micro_batch_run(sizes, "micro_batches")
+    per_sample, _ = _micro_batch_run(sizes, "per_sample")
+    for key in ("trace_sigma", "grad_sq", "b_simple"):
+        assert micro[key] == pytest.approx(per_sample[key], rel=1e-5)
+
+
+def test_the_micro_batch_estimator_forms_no_per_sample_gradient_and_needs_the_sizes():
+    quantity = quantities.GradNoiseScale(EVERY, estimator="micro_batches")
+    cockpit = Cockpit(_mlp().parameters(), quantities=[quantity])
+    assert cockpit._engine is None  # no module call is watched
+    model = _mlp()
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNoiseScale(EVERY, estimator="micro_batches")])
+    x, y = _mlp_batch(4, torch.Generator().manual_seed(0), torch.float32)
+    with pytest.raises(ValueError, match=r"needs each micro-batch's size"):
+        with cockpit(0, info={"batch_size": 4}) as tracked:
+            for xm, ym in zip(x.split(2), y.split(2)):
+                tracked.micro_batch()
+                (class_losses(model(xm), ym).sum() / 4).backward()
+    with pytest.raises(ValueError, match=r"estimator must be one of"):
+        quantities.GradNoiseScale(EVERY, estimator="ranks")

@@ -57,6 +57,7 @@ class Call:
             self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
+        self.spent = False  # a tracked backward pass went through it: no later step's
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -337,8 +338,9 @@ class Capture:
         return forms, fired
 
     def calls(self):
-        """The calls whose graph is alive: the forward pass the next backward pass goes through."""
-        return list(self.recent)
+        """The calls whose graph is alive and that no tracked backward pass went through: the
+        forward pass the next backward pass goes through."""
+        return [call for call in self.recent if not call.spent]
 
 
 def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):

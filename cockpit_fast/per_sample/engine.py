@@ -95,6 +95,7 @@ class Engine:
             refuse_reentrant_checkpoints(start)
         root = None if start is None else start.grad_fn
         step = _Pass()
+        step.calls = calls
         try:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
@@ -122,6 +123,9 @@ class Engine:
                 units of the losses (``1 / scale`` of a ``GradScaler``); ``grads`` are already.
         """
         step.release()
+        if not failed:  # the next step's forward pass is another (a graph the user keeps is no part of it)
+            for call in step.calls:
+                call.spent = True
         if not step.armed:
             return step.forms
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
@@ -321,6 +325,7 @@ class _Pass:
         self.armed = False  # the capture keeps the calls the backward pass reaches
         self.check = False  # the sums are checked after it (no individual losses to check before)
         self.handles = []  # hooks on the graph for calls shared by every sample
+        self.calls = []  # the calls of the forward pass it plans for
 
     def release(self):
         """Removes the hooks on the graph (its later backward passes are not this step's)."""

@@ -46,6 +46,23 @@ def _acc(t):
     return t.to(accumulation_dtype(t.dtype))
 
 
+def held_bytes(form):
+    """Bytes of the tensors ``form`` holds (its factors, rows, dense gradients, inner forms'):
+    what keeping it costs."""
+    seen, total, todo = set(), 0, [form]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            if id(item) not in seen:
+                seen.add(id(item))
+                total += item.numel() * item.element_size()
+        elif isinstance(item, PerSampleGrads):
+            todo.extend(vars(item).values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return total
+
+
 class PerSampleGrads:
     """Base of the forms: N per-sample gradients of a parameter of shape ``shape``."""
 

@@ -32,23 +32,40 @@ class GradNoiseScale(FastQuantity):
     step's EMA is that step's value). The correction cancels in ``b_simple_ema``, the ratio of
     the two averages, and matters only for the averages themselves.
 
-    A step with one sample has no variance estimate: it is skipped (nothing is stored, the
-    averages are left as they are) with a warning the first time, so that neither the log nor the
-    averages of the later steps carry a NaN.
+    With ``estimator="micro_batches"`` no per-sample gradient is formed: the small batches of
+    the appendix's two-batch-size estimator are the step's k micro-batches
+    (``tracked.micro_batch``), at the cost of k gradient norms. With B_m samples and mean
+    gradient G_m in micro-batch m, B = sum_m B_m and S = sum_m B_m |G_m|² / B, whose expectation
+    is |G|² + k tr(Σ) / B, ``trace_sigma = (S − |ḡ|²) B / (k − 1)`` and
+    ``grad_sq = |ḡ|² − trace_sigma / B``, both unbiased for any sizes; with micro-batches of
+    one sample each they are the per-sample estimates above. Under ``torch.distributed`` it
+    reads each process's own micro-batches and gradient.
+
+    A step with one sample (one micro-batch) has no variance estimate: it is skipped (nothing is
+    stored, the averages are left as they are) with a warning the first time, so that neither the
+    log nor the averages of the later steps carry a NaN.
 
     Args:
         track_schedule (callable): When to track.
         verbose (bool, optional): Print what is tracked. Defaults to ``False``.
         decay (float, optional): Weight of the past in the moving averages, in [0, 1); 0 keeps
             each step's own estimates. Defaults to 0.9.
+        estimator (str, optional): ``"per_sample"`` (default): from the individual gradients;
+            ``"micro_batches"``: from the micro-batches' gradients.
     """
 
-    def __init__(self, track_schedule, verbose=False, decay=0.9):
+    ESTIMATORS = ("per_sample", "micro_batches")
+
+    def __init__(self, track_schedule, verbose=False, decay=0.9, estimator="per_sample"):
         super().__init__(track_schedule, verbose=verbose)
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real):
             raise TypeError(f"GradNoiseScale: decay must be a real number, got {type(decay).__name__}")
         if not 0 <= decay < 1:
             raise ValueError(f"GradNoiseScale: decay must be in [0, 1), got {decay}")
+        if estimator not in self.ESTIMATORS:
+            raise ValueError(f"GradNoiseScale: estimator must be one of {self.ESTIMATORS}, got {estimator!r}")
+        self._estimator = estimator
+        self.NEEDS_CALLS = estimator == "per_sample"  # micro-batch norms need no module calls
         self._decay = float(decay)
         self._ema_trace_sigma = 0.0
         self._ema_grad_sq = 0.0
@@ -56,7 +73,10 @@ class GradNoiseScale(FastQuantity):
         self._warned_single_sample = False
 
     def statistics(self, ctx):
-        return {BATCH_L2} if self.should_compute(ctx.global_step) else set()
+        return {BATCH_L2} if self.NEEDS_CALLS and self.should_compute(ctx.global_step) else set()
+
+    def reads_micro_batches(self, global_step):
+        return not self.NEEDS_CALLS and self.should_compute(global_step)
 
     def state_dict(self):
         averages = {
@@ -76,19 +96,17 @@ class GradNoiseScale(FastQuantity):
         self._warned_single_sample = state["warned_single_sample"]
 
     def _compute(self, ctx):
-        batch_l2 = torch.stack(ctx.per_param(BATCH_L2))  # (P, N): ||∇ℓ_n / N||² per parameter
-        n = batch_l2.shape[1]
-        if n < 2:
+        estimates = self._per_sample(ctx) if self.NEEDS_CALLS else self._from_micro_batches(ctx)
+        if estimates is None:
             if not self._warned_single_sample:
+                what = "samples" if self.NEEDS_CALLS else "micro-batches"
                 warnings.warn(
-                    "GradNoiseScale needs at least 2 samples to estimate the gradient's variance: "
-                    f"steps with 1 sample are skipped (first at step {ctx.global_step})"
+                    f"GradNoiseScale needs at least 2 {what} to estimate the gradient's variance: "
+                    f"steps with 1 are skipped (first at step {ctx.global_step})"
                 )
                 self._warned_single_sample = True
             return None
-        mean_sq = torch.stack([(g**2).sum() for g in ctx.grads()])  # |ḡ|² per parameter
-        trace_sigma = (n**2 * batch_l2.sum(1) - n * mean_sq) / (n - 1)
-        grad_sq = mean_sq - trace_sigma / n
+        trace_sigma, grad_sq = estimates
         total_trace_sigma, total_grad_sq = trace_sigma.sum(), grad_sq.sum()
 
         self._ema_steps += 1
@@ -108,3 +126,25 @@ class GradNoiseScale(FastQuantity):
             "grad_sq_ema": grad_sq_ema,
             "b_simple_ema": trace_sigma_ema / grad_sq_ema,
         }
+
+    @staticmethod
+    def _per_sample(ctx):
+        """tr(Σ) and |G|² per parameter from the individual gradients; None for one sample."""
+        batch_l2 = torch.stack(ctx.per_param(BATCH_L2))  # (P, N): ||∇ℓ_n / N||² per parameter
+        n = batch_l2.shape[1]
+        if n < 2:
+            return None
+        mean_sq = torch.stack([(g**2).sum() for g in ctx.grads()])  # |ḡ|² per parameter
+        trace_sigma = (n**2 * batch_l2.sum(1) - n * mean_sq) / (n - 1)
+        return trace_sigma, mean_sq - trace_sigma / n
+
+    def _from_micro_batches(self, ctx):
+        """tr(Σ) and |G|² per parameter from the micro-batches' gradients; None for one."""
+        sizes, squared, mean_sq = ctx.micro_batch_norms(self)
+        k, n = len(sizes), sizes.sum()
+        if k < 2:
+            return None
+        # A micro-batch's share of the step's gradient is B_m / B times its mean gradient G_m.
+        small = (squared * (n / sizes)[:, None]).sum(0)  # sum_m B_m |G_m|² / B
+        trace_sigma = (small - mean_sq) * n / (k - 1)
+        return trace_sigma, mean_sq - trace_sigma / n

@@ -62,6 +62,11 @@ class FastQuantity:
         """Whether the backward pass must keep the graph (for higher derivatives)."""
         return False
 
+    def reads_micro_batches(self, global_step):
+        """Whether it reads each micro-batch's gradient norms at ``global_step``
+        (:meth:`~cockpit_fast.statistics.StepContext.micro_batch_norms`)."""
+        return False
+
     def statistics(self, ctx):
         """Per-parameter statistics the hook must compute at ``ctx.global_step``."""
         return set()

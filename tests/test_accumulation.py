@@ -1,0 +1,245 @@
+"""A step accumulated over micro-batches (``tracked.micro_batch``): its statistics are those of the
+union of the micro-batches, against one backward pass on that union and against float64
+per-sample gradients from torch.func; micro-batches of equal and unequal sizes, the loss scaled
+as users scale it, memory bounded, and the mistakes a hurried user makes."""
+
+import copy
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from any_models import flat, oracle_grads
+from cockpit_fast import Cockpit, quantities
+from cockpit_fast.utils.configuration import configuration
+
+EVERY = staticmethod(lambda step: True)
+FEATURES, CLASSES = 5, 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def _batches(sizes, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [(torch.randn(n, FEATURES, generator=gen), torch.randint(0, CLASSES, (n,), generator=gen)) for n in sizes]
+        for _ in range(steps)
+    ]
+
+
+def _weights(sizes, scaling):
+    """Each sample's weight in the step's loss: its micro-batch's loss over its losses' sum."""
+    total = sum(sizes)
+    return torch.cat([torch.full((n,), 1 / total if scaling == "sum" else 1 / (len(sizes) * n)) for n in sizes])
+
+
+def _accumulated(model, steps, scaling, tracked, hand_in_loss=True, size_at_entry=True, **kwargs):
+    cockpit = Cockpit(list(model.parameters()), quantities=tracked(), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, parts in enumerate(steps):
+        total = sum(len(x) for x, _ in parts)
+        opt.zero_grad()
+        info = {"batch_size": total, "optimizer": opt} if size_at_entry else {"optimizer": opt}
+        with cockpit(step, info=info) as micro:
+            for x, y in parts:
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                loss = losses.sum() / total if scaling == "sum" else losses.mean() / len(parts)
+                micro.micro_batch(individual_losses=losses, loss=loss if hand_in_loss else None)
+                loss.backward()
+        opt.step()
+    return cockpit
+
+
+def _one_pass(model, steps, scaling, tracked):
+    """The same steps as one backward pass on the union, each sample's loss weighted as the
+    accumulated steps weigh it (their mean is the step's loss)."""
+    cockpit = Cockpit(list(model.parameters()), quantities=tracked())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, parts in enumerate(steps):
+        sizes = [len(x) for x, _ in parts]
+        x, y = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none") * (len(x) * _weights(sizes, scaling))
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": len(x), "optimizer": opt, "individual_losses": losses, "loss": loss}):
+            loss.backward()
+        opt.step()
+    return cockpit
+
+
+def _assert_same_output(actual, expected, rel=1e-5):
+    assert actual.keys() == expected.keys()
+    for step in expected:
+        assert actual[step].keys() == expected[step].keys(), step
+        for name, value in expected[step].items():
+            got = actual[step][name]
+            if isinstance(value, dict):
+                for key in value:
+                    numpy.testing.assert_allclose(numpy.asarray(got[key], dtype=float), numpy.asarray(value[key], dtype=float), rtol=rel, atol=1e-7, err_msg=f"{step} {name} {key}")
+            elif value is None:
+                assert got is None
+            else:
+                numpy.testing.assert_allclose(numpy.asarray(got, dtype=float), numpy.asarray(value, dtype=float), rtol=rel, atol=1e-7, err_msg=f"{step} {name}")
+
+
+@pytest.mark.parametrize(
+    "sizes, scaling",
+    [([12], "sum"), ([6, 6], "mean"), ([6, 6], "sum"), ([5, 3, 4], "sum"), ([5, 3, 4], "mean"), ([7, 1], "sum")],
+)
+def test_economy_over_micro_batches_equals_one_backward_pass_on_their_union(sizes, scaling):
+    steps = _batches(sizes, steps=3)
+    tracked = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    accumulated = _accumulated(_model(), steps, scaling, tracked).get_output()
+    one_pass = _one_pass(_model(), steps, scaling, tracked).get_output()
+    _assert_same_output(accumulated, one_pass)
+    assert {"Alpha", "InnerTest", "OrthoTest", "NormTest", "GradHist1d", "Loss"} <= set(accumulated[1])
+
+
+def _norm_inner_ortho(g):
+    """NormTest, InnerTest, OrthoTest of Cockpit from individual gradients ``g`` (N, D)."""
+    n, mean = g.shape[0], g.mean(0)
+    mean_sq = (mean**2).sum()
+    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
+    dots = g @ mean
+    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
+    ortho_part = g - dots[:, None] / mean_sq * mean
+    ortho = ((ortho_part**2).sum() / (n - 1) / mean_sq / n).sqrt()
+    return float(norm), float(inner), float(ortho)
+
+
+@pytest.mark.parametrize("sizes, scaling", [([4, 4], "mean"), ([5, 2, 4], "sum"), ([5, 2, 4], "mean")])
+def test_the_gradient_tests_match_float64_per_sample_gradients_of_the_union(sizes, scaling):
+    steps = _batches(sizes, steps=1, seed=3)
+    model = _model()
+    twin = copy.deepcopy(model).double()
+    tracked = lambda: [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY)]  # noqa: E731
+    output = _accumulated(model, steps, scaling, tracked).get_output()[0]
+    x, y = torch.cat([x for x, _ in steps[0]]), torch.cat([y for _, y in steps[0]])
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    g = flat(oracle_grads(twin, list(twin.parameters()), losses_of, x.double(), y))
+    g = g * (len(x) * _weights(sizes, scaling).double())[:, None]  # each sample as the step weighs it
+    norm, inner, ortho = _norm_inner_ortho(g)
+    assert output["NormTest"] == pytest.approx(norm, rel=1e-4)
+    assert output["InnerTest"] == pytest.approx(inner, rel=1e-4)
+    assert output["OrthoTest"] == pytest.approx(ortho, rel=1e-4)
+
+
+def test_without_the_loss_each_micro_batch_is_taken_as_its_share_of_the_step():
+    steps = _batches([5, 3, 4], steps=2, seed=4)
+    tracked = lambda: [  # noqa: E731  (the step's loss is not known without the micro-batches')
+        quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY),
+        quantities.GradHist1d(EVERY), quantities.GradNorm(EVERY), quantities.GradNoiseScale(EVERY),
+    ]
+    accumulated = _accumulated(_model(), steps, "sum", tracked, hand_in_loss=False).get_output()
+    one_pass = _one_pass(_model(), steps, "sum", tracked).get_output()
+    _assert_same_output(accumulated, one_pass)
+
+
+def test_a_step_whose_batch_size_is_known_only_after_its_last_micro_batch():
+    steps = _batches([5, 3, 4], steps=3, seed=5)
+    tracked = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    accumulated = _accumulated(_model(), steps, "mean", tracked, size_at_entry=False).get_output()
+    one_pass = _one_pass(_model(), steps, "mean", tracked).get_output()
+    _assert_same_output(accumulated, one_pass)
+    with pytest.warns(RuntimeWarning, match=r"InnerTest, NormTest skipped: .*batch size"):
+        _accumulated(_model(), steps[:1], "mean", lambda: [quantities.InnerTest(EVERY), quantities.NormTest(EVERY)],
+                     size_at_entry=False, max_kept_bytes=64)
+
+
+def test_statistics_that_wait_for_the_steps_gradient_are_skipped_beyond_the_memory_bound():
+    steps = _batches([6, 6], steps=1)
+    tracked = lambda: [quantities.InnerTest(EVERY), quantities.NormTest(EVERY)]  # noqa: E731
+    with pytest.warns(RuntimeWarning, match=r"InnerTest skipped: .*max_kept_bytes=64"):
+        cockpit = _accumulated(_model(), steps, "mean", tracked, max_kept_bytes=64)
+    output = cockpit.get_output()[0]
+    assert "InnerTest" not in output and output["NormTest"] > 0
+    roomy = _accumulated(_model(), steps, "mean", tracked, max_kept_bytes=2**30).get_output()[0]
+    assert roomy["InnerTest"] > 0
+
+
+def test_a_step_of_micro_batches_without_any_per_sample_statistic_reads_the_summed_gradient():
+    steps = _batches([4, 4], steps=1)
+    tracked = lambda: [quantities.GradNorm(EVERY), quantities.Distance(EVERY), quantities.UpdateSize(EVERY)]  # noqa: E731
+    accumulated = _accumulated(_model(), steps, "mean", tracked).get_output()
+    one_pass = _one_pass(_model(), steps, "mean", tracked).get_output()
+    _assert_same_output(accumulated, one_pass)
+
+
+def _micro_step(cockpit, model, parts, info, call_micro_batch=True):
+    with cockpit(0, info=info) as micro:
+        for x, y in parts:
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            if call_micro_batch:
+                micro.micro_batch(individual_losses=losses)
+            (losses.sum() / 8).backward()
+
+
+def test_the_mistakes_of_a_hurried_user_are_one_clear_error_each():
+    model = _model()
+    parts = _batches([4, 4], steps=1)[0]
+    norm = lambda: Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])  # noqa: E731
+    with pytest.raises(ValueError, match=r"2 backward passes ran for one step .*call tracked.micro_batch"):
+        model.zero_grad()
+        _micro_step(norm(), model, parts, {"batch_size": 8}, call_micro_batch=False)
+    with pytest.raises(ValueError, match=r"micro_batch\(individual_losses=...\) needs the micro-batch's loss too"):
+        model.zero_grad()
+        _micro_step(norm(), model, parts, {})
+    with pytest.raises(ValueError, match=r"info\['batch_size'\] is 10, but the step's micro-batches held 8 samples"):
+        model.zero_grad()
+        _micro_step(norm(), model, parts, {"batch_size": 10})
+    with pytest.raises(ValueError, match=r"micro_batch\(individual_losses=...\) tells 3 samples, but the forward pass"):
+        model.zero_grad()
+        with norm()(0, info={"batch_size": 8}) as micro:
+            losses = F.cross_entropy(model(parts[0][0]), parts[0][1], reduction="none")
+            micro.micro_batch(individual_losses=losses[:3])
+    with pytest.raises(ValueError, match=r"no backward pass reached the tracked parameters after micro_batch\(\)"):
+        model.zero_grad()
+        with norm()(0, info={"batch_size": 4}) as micro:
+            micro.micro_batch(individual_losses=F.cross_entropy(model(parts[0][0]), parts[0][1], reduction="none"))
+    model.zero_grad()
+    with norm()(0, info={"batch_size": 4}) as micro:
+        F.cross_entropy(model(parts[0][0]), parts[0][1]).backward()
+    with pytest.raises(ValueError, match=r"micro_batch\(\) starts a micro-batch inside"):
+        micro.micro_batch()
+    with pytest.raises(ValueError, match=r"hold gradients from before `with cockpit"):
+        model.zero_grad()
+        x, y = parts[0]
+        F.cross_entropy(model(x), y).backward()  # the first micro-batch's backward pass, outside
+        _micro_step(norm(), model, parts[1:], {"batch_size": 8})
+
+
+def test_curvatures_are_not_combined_over_micro_batches_a_clear_error():
+    model = _model()
+    parts = _batches([4, 4], steps=1)[0]
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.HessMaxEV(EVERY)])
+    with pytest.raises(ValueError, match=r"HessMaxEV cannot be combined over micro-batches"):
+        _micro_step(cockpit, model, parts, {"batch_size": 8})
+
+
+@pytest.mark.filterwarnings("ignore:.*whole-graph route")
+def test_a_forward_pass_before_the_block_that_needs_losses_gets_them_from_micro_batch():
+    # A trainer's hooks open the step after the forward pass (Lightning): a batch norm in training
+    # mode needs each sample's loss, which micro_batch() hands in before the backward pass.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Tanh(), nn.Linear(8, CLASSES))
+    twin = copy.deepcopy(model).double()
+    (x, y), = _batches([8], steps=1, seed=6)[0]
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, info={"batch_size": 8}) as tracked:
+        tracked.micro_batch(individual_losses=losses, loss=losses.mean())
+        losses.mean().backward()
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
+    n, mean = g.shape[0], g.mean(0)
+    expected = float(((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-4)
+    model.zero_grad()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(ValueError, match=r"need every sample's own loss"):
+        with cockpit(1, info={"batch_size": 8}):
+            losses.mean().backward()
