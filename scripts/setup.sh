@@ -58,7 +58,7 @@ install_missing "$TORCH_SPEC" numpy ninja
 # core never imports it, so the originals go in without their declared dependencies.
 install_missing --no-deps backpack-for-pytorch==1.7.1 cockpit-for-pytorch==1.0.2 gradient-metrics==0.5.0
 # BackPACK's and Cockpit's own dependencies, the demo's (extra demo) and the tests' (extra test).
-install_missing einops unfoldNd json_tricks pandas scipy seaborn matplotlib scikit-learn tqdm tensorboard pytest transformers peft
+install_missing einops unfoldNd json_tricks pandas scipy seaborn matplotlib scikit-learn tqdm tensorboard pytest transformers peft lightning pytorch-lightning
 
 # The build is current when the sources, the torch it was built against and the build flags are
 # the same as at the last successful build of this venv (recorded in $STAMP), and it imports.

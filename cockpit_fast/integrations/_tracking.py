@@ -1,0 +1,182 @@
+"""What the trainer callbacks share: one cockpit step per optimizer step, spanning the trainer's
+micro-batches, each sample's loss taken from the model's output, the output handed to the
+trainer's loggers, the log and dashboard written at the end."""
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from cockpit_fast.cockpit import Cockpit
+from cockpit_fast.integrations.language_models import causal_lm_losses
+from cockpit_fast.loggers import CockpitLogger
+from cockpit_fast.plotter import CockpitPlotter
+from cockpit_fast.utils.configuration import configuration
+
+
+def make_cockpit(model, quantities, max_kept_bytes=None):
+    """A cockpit of ``model``'s trainable parameters tracking ``quantities`` (a list, or a
+    configuration label: ``"economy"``, ``"business"``, ``"full"``), whose steps keep their
+    gradient before the trainer clips it."""
+    if isinstance(quantities, str):
+        quantities = configuration(quantities)
+    cockpit = Cockpit(model.parameters(), quantities=list(quantities), max_kept_bytes=max_kept_bytes)
+    cockpit.capture_grads = True
+    return cockpit
+
+
+def sample_losses(logits, labels, num_items_in_batch=None):
+    """Each sample's loss as the model's own loss weighs it (their mean is that loss): a causal
+    language model's ``(N, T, V)`` logits with ``(N, T)`` labels, or a classifier's ``(N, C)``
+    logits with ``(N,)`` labels; None for other outputs."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        return None
+    if logits.dim() == 3 and labels.shape == logits.shape[:-1]:
+        return causal_lm_losses(logits, labels, num_items_in_batch=num_items_in_batch)
+    if logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0] and not labels.is_floating_point():
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+    return None
+
+
+class TrainerSteps:
+    """Opens a cockpit step when the trainer starts an optimizer step, starts a micro-batch on
+    each forward pass of the model in training, and closes the step before the trainer clips
+    the gradient and steps the optimizer.
+
+    Args:
+        cockpit (Cockpit): The cockpit (:func:`make_cockpit`).
+    """
+
+    def __init__(self, cockpit):
+        self.cockpit = cockpit
+        self._step = None  # the open step, from its `with` statement's __enter__
+        self._abandoned = False
+
+    def begin(self, global_step, optimizer):
+        """Open the step ``global_step`` (closing one a failed step left open)."""
+        self.abandon()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's and Lightning's wrappers
+        info = {"optimizer": optimizer} if isinstance(optimizer, torch.optim.Optimizer) else {}
+        step = self.cockpit(global_step, info=info)
+        step.__enter__()
+        self._step = step
+
+    def micro_batch(self, individual_losses, loss):
+        """A micro-batch's forward pass ran: its losses (None where the cockpit cannot tell them)."""
+        if self._step is not None:
+            self._step.micro_batch(individual_losses=individual_losses, loss=loss)
+
+    def end(self):
+        """Close the open step: the quantities track it."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(None, None, None)
+
+    def abandon(self):
+        """Close a step the trainer never finished (an exception in between), tracking nothing."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(RuntimeError, RuntimeError("abandoned"), None)
+
+    @property
+    def open(self):
+        return self._step is not None
+
+
+class ScalarForwarder(CockpitLogger):
+    """Hands each new entry of the cockpit's output, as numbers, to ``write(step, scalars)`` (a
+    trainer's loggers); histograms' counts are left to the cockpit's own log."""
+
+    def __init__(self, write):
+        super().__init__()
+        self._forward = write
+
+    def _write(self, step, scalars, histograms):
+        if scalars:
+            self._forward(step, scalars)
+
+
+def write_results(cockpit, logpath, plot):
+    """The cockpit's log (``logpath + '.json'``) and dashboard (beside it) at the end of training."""
+    if logpath is None:
+        return
+    cockpit.write(logpath)
+    if plot and cockpit.is_writer():
+        folder, name = os.path.split(logpath)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # panels without data (quantities not tracked) say so
+            CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=folder or ".", savename=name)
+
+
+def lightning_callback(base):
+    """The Lightning callback (:mod:`cockpit_fast.integrations.lightning`) on ``base``, the
+    ``Callback`` class of ``lightning`` or of ``pytorch_lightning`` (two packages, two classes)."""
+
+    class CockpitCallback(base):
+        """Tracks ``quantities`` on every optimizer step of a Lightning ``Trainer``.
+
+        Args:
+            quantities (list or str): Quantities, or a configuration label (``"economy"``,
+                ``"business"``, ``"full"``). Defaults to ``"economy"``.
+            logpath (str, optional): Where to write the cockpit's log (``logpath + '.json'``)
+                and dashboard at the end of training; None: neither.
+            plot (bool): Draw the dashboard beside the log. Defaults to ``True``.
+            losses_attribute (str): The LightningModule's attribute that ``training_step`` sets
+                to each sample's loss (read, then set to None, before each backward pass).
+                Defaults to ``"individual_losses"``.
+            max_kept_bytes (int, optional): :class:`~cockpit_fast.Cockpit`'s bound on what an
+                accumulated step keeps.
+        """
+
+        def __init__(self, quantities="economy", logpath=None, plot=True, losses_attribute="individual_losses", max_kept_bytes=None):
+            self.quantities, self.logpath, self.plot = quantities, logpath, plot
+            self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
+            self.cockpit = None
+            self._steps = self._logger = None
+            self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
+
+        def setup(self, trainer, pl_module, stage):
+            if self.cockpit is None:
+                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes)
+                self._steps = TrainerSteps(self.cockpit)
+                # pl_module.log reaches every logger of the trainer, at the step being taken.
+                log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731
+                self._logger = ScalarForwarder(log)
+            if self._restored is not None:
+                self.load_state_dict({"cockpit": self._restored})
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if not self._steps.open:  # the optimizer step's first micro-batch, its gradients zeroed
+                self._steps.begin(trainer.global_step, trainer.optimizers[0] if trainer.optimizers else None)
+            losses = getattr(pl_module, self.losses_attribute, None)
+            if losses is not None:
+                setattr(pl_module, self.losses_attribute, None)  # this micro-batch's, no later one's
+            given = isinstance(losses, torch.Tensor)
+            # `loss` is what Lightning backpropagates: the module's, over accumulate_grad_batches.
+            self._steps.micro_batch(losses if given else None, loss if given else None)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self._steps.end()
+            self._logger.log(self.cockpit, trainer.global_step)
+
+        def on_train_end(self, trainer, pl_module):
+            self._steps.abandon()
+            write_results(self.cockpit, self.logpath, self.plot)
+
+        def on_exception(self, trainer, pl_module, exception):
+            if self._steps is not None:
+                self._steps.abandon()
+
+        def state_dict(self):
+            return {} if self.cockpit is None else {"cockpit": self.cockpit.state_dict()}
+
+        def load_state_dict(self, state_dict):
+            state = state_dict.get("cockpit")
+            if state is not None and self.cockpit is None:
+                self._restored = state
+            elif state is not None:
+                self.cockpit.load_state_dict(state)
+                self._restored = None
+
+    return CockpitCallback

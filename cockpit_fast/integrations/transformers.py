@@ -1,0 +1,116 @@
+"""``CockpitCallback`` for the Hugging Face ``transformers.Trainer``, added in one line::
+
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[CockpitCallback("economy", logpath="logs/run")])
+
+Each optimizer step of the trainer is one cockpit step, whatever ``gradient_accumulation_steps``
+says: each micro-batch's per-sample losses come from the model's own output (a causal language
+model's logits and labels, as its loss weighs tokens, with ``-100`` labels and padding; a
+classifier's logits and labels), and the statistics are those of the gradient before the trainer
+clips it (``max_grad_norm``). Each tracked step's numbers go to the trainer's own loggers
+(``report_to``: TensorBoard, W&B, ...) under ``cockpit/<Quantity>`` names at the step they
+describe (Alpha and UpdateSize, known one step later, at the next one); at the end of training
+the cockpit's log and dashboard are written to ``logpath``. The cockpit's state is saved in each
+checkpoint the trainer writes (``cockpit_state.pt``) and restored when it resumes from one
+(``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``.
+
+Where the model does not take ``num_items_in_batch`` (its ``forward`` has no ``**kwargs``), the
+trainer divides each micro-batch's loss by the micro-batches of the step (fewer in an epoch's
+last, shorter cycle), and so does the callback.
+"""
+
+import inspect
+import os
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from cockpit_fast.integrations._tracking import ScalarForwarder, TrainerSteps, make_cockpit, sample_losses, write_results
+
+STATE_FILE = "cockpit_state.pt"
+"""The cockpit's state in each checkpoint folder the trainer writes, restored when it resumes."""
+
+
+class CockpitCallback(TrainerCallback):
+    """Tracks ``quantities`` on every optimizer step of a ``transformers.Trainer``.
+
+    Args:
+        quantities (list or str): Quantities, or a configuration label (``"economy"``,
+            ``"business"``, ``"full"``). Defaults to ``"economy"``.
+        logpath (str, optional): Where to write the cockpit's log (``logpath + '.json'``) and
+            dashboard at the end of training; None: neither.
+        plot (bool): Draw the dashboard beside the log. Defaults to ``True``.
+        max_kept_bytes (int, optional): :class:`~cockpit_fast.Cockpit`'s bound on what an
+            accumulated step keeps.
+    """
+
+    def __init__(self, quantities="economy", logpath=None, plot=True, max_kept_bytes=None):
+        self.quantities, self.logpath, self.plot, self.max_kept_bytes = quantities, logpath, plot, max_kept_bytes
+        self.cockpit = None
+        self._steps = self._hook = self._logger = self._trainer = self._args = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.cockpit is None:
+            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes)
+            self._steps = TrainerSteps(self.cockpit)
+        if self._hook is None:
+            self._hook = model.register_forward_hook(self._micro_batch, with_kwargs=True)
+        self._args = args
+        trainer, resumed_from = _calling_trainer()
+        self._trainer = trainer
+        if trainer is not None:
+            # trainer.log reaches every logger the trainer reports to, at its current global step.
+            self._logger = ScalarForwarder(lambda step, scalars: trainer.log(scalars))
+        saved = None if resumed_from is None else os.path.join(resumed_from, STATE_FILE)
+        if saved is not None and os.path.isfile(saved):
+            self.cockpit.load_state_dict(torch.load(saved, weights_only=True))
+
+    def on_save(self, args, state, control, **kwargs):
+        # Beside the trainer's own state in the checkpoint it has just written.
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if state.is_world_process_zero and os.path.isdir(folder):
+            torch.save(self.cockpit.state_dict(), os.path.join(folder, STATE_FILE))
+
+    def _micro_batch(self, module, args, kwargs, output):
+        if not (module.training and torch.is_grad_enabled() and self._steps.open):
+            return
+        labels, num_items = kwargs.get("labels"), kwargs.get("num_items_in_batch")
+        losses = sample_losses(getattr(output, "logits", None), labels, num_items)
+        loss = getattr(output, "loss", None)
+        if losses is None or loss is None:
+            self._steps.micro_batch(None, None)
+            return
+        # The loss the trainer backpropagates: the model's, divided by the step's micro-batches
+        # where the model did not divide by the tokens of all of them itself.
+        self._steps.micro_batch(losses, loss if num_items is not None else loss / self._micro_batches())
+
+    def _micro_batches(self):
+        steps = getattr(self._trainer, "current_gradient_accumulation_steps", None)
+        return steps if steps is not None else self._args.gradient_accumulation_steps
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._steps.begin(state.global_step, optimizer)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._steps.end()
+        if self._logger is not None:
+            self._logger.log(self.cockpit, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._steps.abandon()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        write_results(self.cockpit, self.logpath, self.plot)
+
+
+def _calling_trainer():
+    """The ``Trainer`` whose training loop runs this callback (callbacks are not handed it) and
+    the checkpoint it resumes from (None: none), read from the loop's frame."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate, frame.f_locals.get("resume_from_checkpoint")
+        frame = frame.f_back
+    return None, None

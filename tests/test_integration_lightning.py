@@ -1,0 +1,114 @@
+"""``cockpit_fast.integrations.lightning.CockpitCallback`` in a real ``lightning.Trainer``:
+``accumulate_grad_batches`` with a shorter last cycle, clipping, the trainer's logger, resuming
+from the trainer's checkpoint; against float64 per-sample gradients from torch.func."""
+
+import copy
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+lightning = pytest.importorskip("lightning")
+
+from any_models import flat, oracle_grads  # noqa: E402
+from cockpit_fast import quantities  # noqa: E402
+from cockpit_fast.integrations.lightning import CockpitCallback  # noqa: E402
+from cockpit_fast.utils.configuration import configuration  # noqa: E402
+
+EVERY = staticmethod(lambda step: True)
+FEATURES, CLASSES = 5, 3
+
+
+class _Classifier(lightning.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 12), nn.Tanh(), nn.Linear(12, CLASSES))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.individual_losses = F.cross_entropy(self(x), y, reduction="none")
+        return self.individual_losses.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _data(samples, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, FEATURES, generator=gen), torch.randint(0, CLASSES, (samples,), generator=gen)
+
+
+def _fit(module, tracked, x, y, tmp_path, batch=4, accumulation=2, ckpt_path=None, callback=None, **kwargs):
+    callback = callback or CockpitCallback(tracked, logpath=str(tmp_path / "cockpit"))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=False)
+    trainer = lightning.Trainer(
+        accelerator="cpu", accumulate_grad_batches=accumulation, callbacks=[callback], logger=lightning.pytorch.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, **kwargs,
+    )
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return callback, trainer
+
+
+def _gradient_tests(g):
+    n, mean = g.shape[0], g.mean(0)
+    mean_sq = (mean**2).sum()
+    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
+    dots = g @ mean
+    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
+    ortho = (((g - dots[:, None] / mean_sq * mean) ** 2).sum() / (n - 1) / mean_sq / n).sqrt()
+    return {"NormTest": float(norm), "InnerTest": float(inner), "OrthoTest": float(ortho)}
+
+
+def test_accumulated_steps_and_a_shorter_last_cycle_match_float64_per_sample_gradients(tmp_path):
+    x, y = _data(11)  # batches of 4, 4, 3: steps of 8 and of 3 samples
+    module = _Classifier(lr=0.0)  # the parameters stay: one oracle serves both steps
+    twin = copy.deepcopy(module.net).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY), quantities.GradNorm(EVERY)]
+    callback, _ = _fit(module, tracked, x, y, tmp_path, max_epochs=1, gradient_clip_val=1e-4)
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    g = flat(oracle_grads(twin, list(twin.parameters()), losses_of, x.double(), y))
+    output = callback.cockpit.get_output()
+    assert sorted(output) == [0, 1]
+    sizes = [p.numel() for p in twin.parameters()]
+    # Lightning divides every micro-batch's mean by accumulate_grad_batches, the last cycle's too.
+    for step, (rows, weight) in enumerate([(slice(0, 8), 1 / 8), (slice(8, 11), 1 / 6)]):
+        for name, value in _gradient_tests(g[rows]).items():
+            assert output[step][name] == pytest.approx(value, rel=1e-4), (step, name)
+        norms = [float(part.sum(0).norm()) * weight for part in g[rows].split(sizes, 1)]
+        assert output[step]["GradNorm"] == pytest.approx(norms, rel=1e-4), step
+    with open(next(tmp_path.glob("lightning_logs/*/metrics.csv"))) as file:
+        rows = [row for row in csv.DictReader(file) if row.get("cockpit/NormTest")]
+    assert [int(row["step"]) for row in rows] == [0, 1]
+    assert float(rows[1]["cockpit/NormTest"]) == pytest.approx(output[1]["NormTest"], rel=1e-6)
+    assert (tmp_path / "cockpit.json").exists() and (tmp_path / "cockpit__primary.png").exists()
+
+
+def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one(tmp_path):
+    x, y = _data(8)  # one optimizer step per epoch
+    economy = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    whole, _ = _fit(_Classifier(lr=0.1), economy(), x, y, tmp_path / "whole", max_epochs=4)
+    first, trainer = _fit(_Classifier(lr=0.1), economy(), x, y, tmp_path / "first", max_epochs=2)
+    trainer.save_checkpoint(tmp_path / "halfway.ckpt")
+    resumed, _ = _fit(_Classifier(lr=0.1), economy(), x, y, tmp_path / "resumed", max_epochs=4, ckpt_path=tmp_path / "halfway.ckpt")
+    expected, actual = whole.cockpit.get_output(), resumed.cockpit.get_output()
+    assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
+    assert "Alpha" in actual[1] and "UpdateSize" in actual[2]  # carried over the interruption
+    for step in expected:
+        assert sorted(actual[step]) == sorted(expected[step])
+        for name in ("NormTest", "InnerTest", "Distance", "Alpha", "UpdateSize", "Loss"):
+            if name in expected[step]:  # (Alpha and UpdateSize of the last step come one step later)
+                assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5), (step, name)
+
+
+def test_the_pytorch_lightning_import_name_has_the_same_callback():
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    from cockpit_fast.integrations.pytorch_lightning import CockpitCallback as Other
+
+    assert issubclass(Other, pytorch_lightning.Callback) and Other.__doc__ == CockpitCallback.__doc__

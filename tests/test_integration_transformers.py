@@ -1,0 +1,160 @@
+"""``cockpit_fast.integrations.transformers.CockpitCallback`` in a real ``transformers.Trainer``
+(tiny models from configs, random weights): gradient accumulation, padding, clipping, the
+trainer's loggers; against float64 per-sample gradients from torch.func on the step's batch."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from any_models import flat, oracle_grads  # noqa: E402
+from cockpit_fast import quantities  # noqa: E402
+from cockpit_fast.integrations.transformers import CockpitCallback  # noqa: E402
+
+EVERY = staticmethod(lambda step: True)
+VOCAB, TOKENS, SEQUENCES = 61, 10, 8
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Token sequences padded at the end (labels -100 there), one of them padding but for two tokens."""
+
+    def __init__(self, seed=0, count=SEQUENCES):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, VOCAB, (count, TOKENS), generator=gen)
+        lengths = torch.randint(3, TOKENS + 1, (count,), generator=gen)
+        lengths[0] = 2
+        self.mask = (torch.arange(TOKENS)[None, :] < lengths[:, None]).long()
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, n):
+        return {"input_ids": self.ids[n], "attention_mask": self.mask[n], "labels": self.labels[n]}
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=24, max_position_embeddings=TOKENS,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=TOKENS, n_embd=16, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _train(model, tmp_path, accumulation, tracked, steps=1, **kwargs):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-2, report_to="none",
+        use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0, **{"save_strategy": "no", **kwargs},
+    )
+    callback = CockpitCallback(tracked, logpath=str(tmp_path / "cockpit"))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(), callbacks=[callback])
+    trainer.train()
+    return callback, trainer
+
+
+def _token_sums(m, ids, labels):
+    """Each sequence's summed token cross-entropy (its loss up to the trainer's token count)."""
+    logits = m(ids).logits
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100).view(targets.shape).sum(1)
+
+
+def _gradient_tests(g):
+    """NormTest, InnerTest, OrthoTest of individual gradients ``g`` (N, D): they do not change
+    when every gradient is scaled alike, so the trainer's token count drops out."""
+    n, mean = g.shape[0], g.mean(0)
+    mean_sq = (mean**2).sum()
+    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
+    dots = g @ mean
+    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
+    ortho = (((g - dots[:, None] / mean_sq * mean) ** 2).sum() / (n - 1) / mean_sq / n).sqrt()
+    return {"NormTest": float(norm), "InnerTest": float(inner), "OrthoTest": float(ortho)}
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_trainer_step_matches_float64_per_sample_gradients_of_its_whole_batch(tmp_path, make, accumulation):
+    model = make()
+    twin = copy.deepcopy(model).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY), quantities.GradNorm(EVERY)]
+    # A tiny max_grad_norm: the trainer clips, the statistics describe the gradient before.
+    callback, _ = _train(model, tmp_path, accumulation, tracked, max_grad_norm=1e-4)
+    data = _Sequences()
+    params = [p for p in twin.parameters() if p.requires_grad]
+    g = flat(oracle_grads(twin, params, _token_sums, data.ids, data.labels))
+    output = callback.cockpit.get_output()[0]
+    for name, value in _gradient_tests(g).items():
+        assert output[name] == pytest.approx(value, rel=1e-4), name
+    # The step's gradient: the token sums over the tokens the trainer counted (all of the
+    # accumulated batch's labels; GPT-2's count them before the shift).
+    shifted = isinstance(model, transformers.LlamaForCausalLM)
+    counted = int((data.labels[:, 1:] != -100).sum() if shifted else (data.labels != -100).sum())
+    norms = [float(part.sum(0).norm()) / counted for part in g.split([p.numel() for p in params], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=1e-4, abs=1e-9)
+
+
+def test_the_callback_writes_the_log_and_dashboard_and_logs_through_the_trainer(tmp_path):
+    callback, trainer = _train(_gpt2(), tmp_path, 2, "economy", steps=3)
+    log = json.loads((tmp_path / "cockpit.json").read_text())
+    assert sorted(log) == ["0", "1", "2"] and "NormTest" in log["1"] and "Alpha" in log["0"]
+    assert (tmp_path / "cockpit__primary.png").exists()
+    logged = [entry for entry in trainer.state.log_history if "cockpit/NormTest" in entry]
+    assert [entry["step"] for entry in logged] == [0, 1, 2]
+    assert logged[1]["cockpit/NormTest"] == pytest.approx(log["1"]["NormTest"], rel=1e-6)
+    assert set(callback.cockpit.get_output()) == {0, 1, 2}
+
+
+def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one(tmp_path):
+    economy = "economy"
+    whole, _ = _train(_gpt2(), tmp_path / "whole", 2, economy, steps=4)
+    _train(_gpt2(), tmp_path / "first", 2, economy, steps=4, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "first" / "out" / "checkpoint-2"
+    assert (checkpoint / "cockpit_state.pt").exists()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "first" / "out"), per_device_train_batch_size=SEQUENCES // 2,
+        gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+    )
+    resumed = CockpitCallback(economy)
+    transformers.Trainer(model=_gpt2(), args=args, train_dataset=_Sequences(), callbacks=[resumed]).train(
+        resume_from_checkpoint=str(checkpoint)
+    )
+    expected, actual = whole.cockpit.get_output(), resumed.cockpit.get_output()
+    assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
+    for step in expected:
+        assert sorted(actual[step]) == sorted(expected[step]), step
+        for name in ("NormTest", "InnerTest", "Distance", "Alpha", "UpdateSize", "Loss"):
+            if name in expected[step]:
+                assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5), (step, name)
+
+
+def test_a_model_that_takes_no_token_count_is_divided_by_the_steps_micro_batches_the_last_shorter_cycle_too(tmp_path):
+    model = _gpt2()
+    model.accepts_loss_kwargs = False  # the trainer then divides each micro-batch's mean by their count
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=1e-2, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )
+    callback = CockpitCallback([quantities.Loss(EVERY), quantities.NormTest(EVERY)])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(count=10), callbacks=[callback])
+    trainer.train()  # 10 sequences: steps of 4 + 4 and of 2 sequences, in turn
+    logged = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry and "step" in entry}
+    output = callback.cockpit.get_output()
+    assert sorted(output) == [0, 1, 2, 3]
+    for step, row in output.items():  # the trainer logs after its step: step + 1
+        assert row["Loss"] == pytest.approx(logged[step + 1], rel=1e-3), step
