@@ -45,14 +45,17 @@ class CockpitLogger:
             of ``cockpit.params``, for the tags of per-parameter values. Defaults to the names
             in the model the cockpit saw (the keys of ``cockpit.routes()``), or ``param_<i>``
             where the cockpit has not seen a model (no quantity needed per-sample gradients).
+        per_parameter (bool, optional): Write per-parameter values one tag per parameter;
+            ``False``: the whole model's values only (GradNorm's ``all``). Defaults to ``True``.
     """
 
-    def __init__(self, names=None):
+    def __init__(self, names=None, per_parameter=True):
         if names is not None:
             names = list(names)
             if not all(isinstance(name, str) for name in names):
                 raise TypeError(f"names must be strings (parameter names), got {names!r}")
         self.names = names
+        self.per_parameter = per_parameter
         self._written = {}  # step: names of the entries written
 
     def log(self, cockpit, step=None):
@@ -63,7 +66,7 @@ class CockpitLogger:
             ValueError: If ``names`` was given and does not name every tracked parameter.
         """
         output = cockpit.get_output()
-        names = self._parameter_names(cockpit)
+        names = parameter_names(cockpit, self.names)
         for entry_step in sorted(output):
             if step is not None and entry_step > step:
                 break
@@ -72,22 +75,11 @@ class CockpitLogger:
                 name: value for name, value in output[entry_step].items() if value is not None and name not in written
             }
             if new:
-                scalars, histograms = {}, {}
-                for name, value in new.items():
-                    _add_records(f"{TAG_PREFIX}{SEPARATOR}{name}", name, value, names, scalars, histograms)
-                self._write(entry_step, scalars, histograms)
+                self._write(entry_step, *records(new, names, self.per_parameter))
                 written.update(new)
         # Steps the cockpit no longer holds are not written again.
         self._written = {s: w for s, w in self._written.items() if s in output}
         self._flush()
-
-    def _parameter_names(self, cockpit):
-        count = len(cockpit.params)
-        if self.names is not None:
-            if len(self.names) != count:
-                raise ValueError(f"names has {len(self.names)} entries, the cockpit tracks {count} parameters")
-            return self.names
-        return list(cockpit.routes()) or [f"param_{index}" for index in range(count)]
 
     def _write(self, step, scalars, histograms):
         """Write one step's ``{tag: number}`` and ``{tag: (counts, edges)}`` (float64 tensors)."""
@@ -100,8 +92,33 @@ class CockpitLogger:
         """Release what the logger holds (a run or writer handed in stays the caller's)."""
 
 
-def _add_records(tag, name, value, parameter_names, scalars, histograms):
-    """File one output entry under ``tag`` into ``scalars`` and ``histograms`` by its kind."""
+def parameter_names(cockpit, names=None):
+    """The names of the tags of ``cockpit``'s per-parameter values: ``names``, else those in the
+    model the cockpit saw, else ``param_<i>``.
+
+    Raises:
+        ValueError: If ``names`` does not name every tracked parameter.
+    """
+    count = len(cockpit.params)
+    if names is not None:
+        if len(names) != count:
+            raise ValueError(f"names has {len(names)} entries, the cockpit tracks {count} parameters")
+        return names
+    return list(cockpit.routes()) or [f"param_{index}" for index in range(count)]
+
+
+def records(values, names, per_parameter=True):
+    """``({tag: number}, {tag: (counts, edges)})`` of output entries ``{quantity name: value}``
+    (see the module's docstring for the tags)."""
+    scalars, histograms = {}, {}
+    for name, value in values.items():
+        _add_records(f"{TAG_PREFIX}{SEPARATOR}{name}", name, value, names, scalars, histograms, per_parameter)
+    return scalars, histograms
+
+
+def _add_records(tag, name, value, parameter_names, scalars, histograms, per_parameter=True):
+    """File one output entry under ``tag`` into ``scalars`` and ``histograms`` by its kind
+    (per-parameter values one scalar each only with ``per_parameter``)."""
     if isinstance(value, dict) and all(key in value for key in HISTOGRAM_KEYS):
         counts = torch.as_tensor(value["hist"], dtype=torch.float64)
         if counts.dim() == 1:
@@ -110,7 +127,7 @@ def _add_records(tag, name, value, parameter_names, scalars, histograms):
             _add_histogram(f"{tag}{SEPARATOR}gradients", counts.sum(dim=1), value["edges"][0], histograms)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _add_records(f"{tag}{SEPARATOR}{key}", name, item, parameter_names, scalars, histograms)
+            _add_records(f"{tag}{SEPARATOR}{key}", name, item, parameter_names, scalars, histograms, per_parameter)
     elif _is_number(value):
         scalars[tag] = float(value)
     elif isinstance(value, (list, tuple)) or (hasattr(value, "ndim") and value.ndim == 1):
@@ -118,8 +135,9 @@ def _add_records(tag, name, value, parameter_names, scalars, histograms):
             return  # not a list of numbers (the Parameters quantity's tensors)
         values = [float(item) for item in value]
         labels = parameter_names if len(values) == len(parameter_names) else [str(i) for i in range(len(values))]
-        for label, number in zip(labels, values):
-            scalars[f"{tag}{SEPARATOR}{label}"] = number
+        if per_parameter:
+            for label, number in zip(labels, values):
+                scalars[f"{tag}{SEPARATOR}{label}"] = number
         if name == "GradNorm":
             scalars[f"{tag}{SEPARATOR}all"] = math.hypot(*values)
 
@@ -146,7 +164,7 @@ class TensorBoardLogger(CockpitLogger):
         log_dir: The folder of the event files (TensorBoard names the run after it), or a
             ``torch.utils.tensorboard.SummaryWriter`` to write with (it stays open on
             :meth:`close`: it is the caller's).
-        names (list of str, optional): See :class:`CockpitLogger`.
+        names (list of str, optional), per_parameter (bool, optional): See :class:`CockpitLogger`.
 
     Raises:
         cockpit_fast._optional.MissingDependency: An ``ImportError``, if ``log_dir`` is a folder
@@ -154,8 +172,8 @@ class TensorBoardLogger(CockpitLogger):
         TypeError: If ``log_dir`` is neither a folder nor a writer.
     """
 
-    def __init__(self, log_dir, names=None):
-        super().__init__(names)
+    def __init__(self, log_dir, names=None, per_parameter=True):
+        super().__init__(names, per_parameter)
         if isinstance(log_dir, (str, os.PathLike)):
             require("tensorboard", "tensorboard", "TensorBoardLogger")
             from torch.utils.tensorboard import SummaryWriter
@@ -207,15 +225,15 @@ class WandbLogger(CockpitLogger):
 
     Args:
         run (optional): The ``wandb`` run to log to. Defaults to the active one (``wandb.run``).
-        names (list of str, optional): See :class:`CockpitLogger`.
+        names (list of str, optional), per_parameter (bool, optional): See :class:`CockpitLogger`.
 
     Raises:
         cockpit_fast._optional.MissingDependency: An ``ImportError``, if wandb is not installed.
         ValueError: If no run is given and none is active (``wandb.init()`` not called yet).
     """
 
-    def __init__(self, run=None, names=None):
-        super().__init__(names)
+    def __init__(self, run=None, names=None, per_parameter=True):
+        super().__init__(names, per_parameter)
         self._wandb = require("wandb", "wandb", "WandbLogger")
         self.run = run if run is not None else self._wandb.run
         if self.run is None:

@@ -427,3 +427,15 @@ def assert_counts_close(actual, expected, values, edges, slack=0):
         near += int(((position - position.round()).abs() < 1e-4).sum())
     assert (actual - expected).abs().sum() <= 2 * (near + slack), (actual - expected).abs().sum()
 
+
+def gradient_tests(g):
+    """Cockpit's NormTest, InnerTest and OrthoTest from individual gradients ``g`` (N, D), from
+    their definitions; they do not change when every gradient is scaled alike."""
+    n, mean = g.shape[0], g.mean(0)
+    mean_sq = (mean**2).sum()
+    norm = (((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt()
+    dots = g @ mean
+    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
+    ortho = (((g - dots[:, None] / mean_sq * mean) ** 2).sum() / (n - 1) / mean_sq / n).sqrt()
+    return {"NormTest": float(norm), "InnerTest": float(inner), "OrthoTest": float(ortho)}
+

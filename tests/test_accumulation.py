@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from any_models import flat, oracle_grads
+from any_models import flat, gradient_tests, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.utils.configuration import configuration
 
@@ -100,18 +100,6 @@ def test_economy_over_micro_batches_equals_one_backward_pass_on_their_union(size
     assert {"Alpha", "InnerTest", "OrthoTest", "NormTest", "GradHist1d", "Loss"} <= set(accumulated[1])
 
 
-def _norm_inner_ortho(g):
-    """NormTest, InnerTest, OrthoTest of Cockpit from individual gradients ``g`` (N, D)."""
-    n, mean = g.shape[0], g.mean(0)
-    mean_sq = (mean**2).sum()
-    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
-    dots = g @ mean
-    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
-    ortho_part = g - dots[:, None] / mean_sq * mean
-    ortho = ((ortho_part**2).sum() / (n - 1) / mean_sq / n).sqrt()
-    return float(norm), float(inner), float(ortho)
-
-
 @pytest.mark.parametrize("sizes, scaling", [([4, 4], "mean"), ([5, 2, 4], "sum"), ([5, 2, 4], "mean")])
 def test_the_gradient_tests_match_float64_per_sample_gradients_of_the_union(sizes, scaling):
     steps = _batches(sizes, steps=1, seed=3)
@@ -123,10 +111,8 @@ def test_the_gradient_tests_match_float64_per_sample_gradients_of_the_union(size
     losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
     g = flat(oracle_grads(twin, list(twin.parameters()), losses_of, x.double(), y))
     g = g * (len(x) * _weights(sizes, scaling).double())[:, None]  # each sample as the step weighs it
-    norm, inner, ortho = _norm_inner_ortho(g)
-    assert output["NormTest"] == pytest.approx(norm, rel=1e-4)
-    assert output["InnerTest"] == pytest.approx(inner, rel=1e-4)
-    assert output["OrthoTest"] == pytest.approx(ortho, rel=1e-4)
+    for name, value in gradient_tests(g).items():
+        assert output[name] == pytest.approx(value, rel=1e-4), name
 
 
 def test_without_the_loss_each_micro_batch_is_taken_as_its_share_of_the_step():
@@ -235,9 +221,7 @@ def test_a_forward_pass_before_the_block_that_needs_losses_gets_them_from_micro_
         tracked.micro_batch(individual_losses=losses, loss=losses.mean())
         losses.mean().backward()
     g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
-    n, mean = g.shape[0], g.mean(0)
-    expected = float(((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-4)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-4)
     model.zero_grad()
     losses = F.cross_entropy(model(x), y, reduction="none")
     with pytest.raises(ValueError, match=r"need every sample's own loss"):

@@ -12,7 +12,7 @@ from torch import nn
 
 lightning = pytest.importorskip("lightning")
 
-from any_models import flat, oracle_grads  # noqa: E402
+from any_models import flat, gradient_tests, oracle_grads  # noqa: E402
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.lightning import CockpitCallback  # noqa: E402
 from cockpit_fast.utils.configuration import configuration  # noqa: E402
@@ -56,16 +56,6 @@ def _fit(module, tracked, x, y, tmp_path, batch=4, accumulation=2, ckpt_path=Non
     return callback, trainer
 
 
-def _gradient_tests(g):
-    n, mean = g.shape[0], g.mean(0)
-    mean_sq = (mean**2).sum()
-    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
-    dots = g @ mean
-    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
-    ortho = (((g - dots[:, None] / mean_sq * mean) ** 2).sum() / (n - 1) / mean_sq / n).sqrt()
-    return {"NormTest": float(norm), "InnerTest": float(inner), "OrthoTest": float(ortho)}
-
-
 def test_accumulated_steps_and_a_shorter_last_cycle_match_float64_per_sample_gradients(tmp_path):
     x, y = _data(11)  # batches of 4, 4, 3: steps of 8 and of 3 samples
     module = _Classifier(lr=0.0)  # the parameters stay: one oracle serves both steps
@@ -79,7 +69,7 @@ def test_accumulated_steps_and_a_shorter_last_cycle_match_float64_per_sample_gra
     sizes = [p.numel() for p in twin.parameters()]
     # Lightning divides every micro-batch's mean by accumulate_grad_batches, the last cycle's too.
     for step, (rows, weight) in enumerate([(slice(0, 8), 1 / 8), (slice(8, 11), 1 / 6)]):
-        for name, value in _gradient_tests(g[rows]).items():
+        for name, value in gradient_tests(g[rows]).items():
             assert output[step][name] == pytest.approx(value, rel=1e-4), (step, name)
         norms = [float(part.sum(0).norm()) * weight for part in g[rows].split(sizes, 1)]
         assert output[step]["GradNorm"] == pytest.approx(norms, rel=1e-4), step

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from any_models import flat, oracle_grads  # noqa: E402
+from any_models import flat, gradient_tests, oracle_grads  # noqa: E402
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.transformers import CockpitCallback  # noqa: E402
 
@@ -59,7 +59,7 @@ def _train(model, tmp_path, accumulation, tracked, steps=1, **kwargs):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES // accumulation,
         gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-2, report_to="none",
-        use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0, **{"save_strategy": "no", **kwargs},
+        use_cpu=True, disable_tqdm=True, seed=0, **{"save_strategy": "no", "logging_strategy": "no", **kwargs},
     )
     callback = CockpitCallback(tracked, logpath=str(tmp_path / "cockpit"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(), callbacks=[callback])
@@ -74,18 +74,6 @@ def _token_sums(m, ids, labels):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100).view(targets.shape).sum(1)
 
 
-def _gradient_tests(g):
-    """NormTest, InnerTest, OrthoTest of individual gradients ``g`` (N, D): they do not change
-    when every gradient is scaled alike, so the trainer's token count drops out."""
-    n, mean = g.shape[0], g.mean(0)
-    mean_sq = (mean**2).sum()
-    norm = ((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
-    dots = g @ mean
-    inner = ((dots**2).sum() / (n - 1) - n / (n - 1) * mean_sq**2).sqrt() / mean_sq / n**0.5
-    ortho = (((g - dots[:, None] / mean_sq * mean) ** 2).sum() / (n - 1) / mean_sq / n).sqrt()
-    return {"NormTest": float(norm), "InnerTest": float(inner), "OrthoTest": float(ortho)}
-
-
 @pytest.mark.parametrize("make", [_llama, _gpt2])
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_trainer_step_matches_float64_per_sample_gradients_of_its_whole_batch(tmp_path, make, accumulation):
@@ -98,7 +86,7 @@ def test_a_trainer_step_matches_float64_per_sample_gradients_of_its_whole_batch(
     params = [p for p in twin.parameters() if p.requires_grad]
     g = flat(oracle_grads(twin, params, _token_sums, data.ids, data.labels))
     output = callback.cockpit.get_output()[0]
-    for name, value in _gradient_tests(g).items():
+    for name, value in gradient_tests(g).items():
         assert output[name] == pytest.approx(value, rel=1e-4), name
     # The step's gradient: the token sums over the tokens the trainer counted (all of the
     # accumulated batch's labels; GPT-2's count them before the shift).
@@ -109,14 +97,18 @@ def test_a_trainer_step_matches_float64_per_sample_gradients_of_its_whole_batch(
 
 
 def test_the_callback_writes_the_log_and_dashboard_and_logs_through_the_trainer(tmp_path):
-    callback, trainer = _train(_gpt2(), tmp_path, 2, "economy", steps=3)
+    callback, trainer = _train(_gpt2(), tmp_path, 2, "economy", steps=4, logging_strategy="steps", logging_steps=2)
     log = json.loads((tmp_path / "cockpit.json").read_text())
-    assert sorted(log) == ["0", "1", "2"] and "NormTest" in log["1"] and "Alpha" in log["0"]
+    assert sorted(log) == ["0", "1", "2", "3"] and "NormTest" in log["1"] and "Alpha" in log["0"]
     assert (tmp_path / "cockpit__primary.png").exists()
+    # At the trainer's logging steps, as its loss: the step just taken, each quantity's latest value.
     logged = [entry for entry in trainer.state.log_history if "cockpit/NormTest" in entry]
-    assert [entry["step"] for entry in logged] == [0, 1, 2]
-    assert logged[1]["cockpit/NormTest"] == pytest.approx(log["1"]["NormTest"], rel=1e-6)
-    assert set(callback.cockpit.get_output()) == {0, 1, 2}
+    assert [entry["step"] for entry in logged] == [2, 4]
+    assert logged[0]["cockpit/NormTest"] == pytest.approx(log["1"]["NormTest"], rel=1e-6)
+    assert logged[1]["cockpit/NormTest"] == pytest.approx(log["3"]["NormTest"], rel=1e-6)
+    assert logged[1]["cockpit/Alpha"] == pytest.approx(log["2"]["Alpha"], rel=1e-6)  # known a step later
+    assert "cockpit/GradNorm/all" in logged[0] and not any("transformer.h.0" in key for key in logged[0])
+    assert set(callback.cockpit.get_output()) == {0, 1, 2, 3}
 
 
 def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one(tmp_path):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.integrations.language_models import causal_lm_losses
-from cockpit_fast.loggers import CockpitLogger
+from cockpit_fast.loggers import CockpitLogger, parameter_names, records
 from cockpit_fast.plotter import CockpitPlotter
 from cockpit_fast.utils.configuration import configuration
 
@@ -88,13 +88,25 @@ class ScalarForwarder(CockpitLogger):
     """Hands each new entry of the cockpit's output, as numbers, to ``write(step, scalars)`` (a
     trainer's loggers); histograms' counts are left to the cockpit's own log."""
 
-    def __init__(self, write):
-        super().__init__()
+    def __init__(self, write, per_parameter=False):
+        super().__init__(per_parameter=per_parameter)
         self._forward = write
 
     def _write(self, step, scalars, histograms):
         if scalars:
             self._forward(step, scalars)
+
+
+def latest_scalars(cockpit, per_parameter=False):
+    """``{tag: number}`` of each quantity's latest value (Alpha's and UpdateSize's come one step
+    later than the others'), tagged as :mod:`cockpit_fast.loggers` tags them."""
+    output = cockpit.get_output()
+    latest = {}
+    for step in sorted(output, reverse=True):
+        for name, value in output[step].items():
+            if value is not None:
+                latest.setdefault(name, value)
+    return records(latest, parameter_names(cockpit), per_parameter)[0]
 
 
 def write_results(cockpit, logpath, plot):
@@ -127,10 +139,15 @@ def lightning_callback(base):
                 Defaults to ``"individual_losses"``.
             max_kept_bytes (int, optional): :class:`~cockpit_fast.Cockpit`'s bound on what an
                 accumulated step keeps.
+            per_parameter (bool): Log each parameter's values too (one scalar each), not only
+                the whole model's. Defaults to ``False``.
         """
 
-        def __init__(self, quantities="economy", logpath=None, plot=True, losses_attribute="individual_losses", max_kept_bytes=None):
-            self.quantities, self.logpath, self.plot = quantities, logpath, plot
+        def __init__(
+            self, quantities="economy", logpath=None, plot=True, losses_attribute="individual_losses",
+            max_kept_bytes=None, per_parameter=False,
+        ):
+            self.quantities, self.logpath, self.plot, self.per_parameter = quantities, logpath, plot, per_parameter
             self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
             self.cockpit = None
             self._steps = self._logger = None
@@ -142,7 +159,7 @@ def lightning_callback(base):
                 self._steps = TrainerSteps(self.cockpit)
                 # pl_module.log reaches every logger of the trainer, at the step being taken.
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731
-                self._logger = ScalarForwarder(log)
+                self._logger = ScalarForwarder(log, self.per_parameter)
             if self._restored is not None:
                 self.load_state_dict({"cockpit": self._restored})
 

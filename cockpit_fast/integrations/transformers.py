@@ -6,9 +6,10 @@ Each optimizer step of the trainer is one cockpit step, whatever ``gradient_accu
 says: each micro-batch's per-sample losses come from the model's own output (a causal language
 model's logits and labels, as its loss weighs tokens, with ``-100`` labels and padding; a
 classifier's logits and labels), and the statistics are those of the gradient before the trainer
-clips it (``max_grad_norm``). Each tracked step's numbers go to the trainer's own loggers
-(``report_to``: TensorBoard, W&B, ...) under ``cockpit/<Quantity>`` names at the step they
-describe (Alpha and UpdateSize, known one step later, at the next one); at the end of training
+clips it (``max_grad_norm``). Whenever the trainer logs (``logging_steps``), each quantity's
+latest value goes to the trainer's own loggers (``report_to``: TensorBoard, W&B, ...) under
+``cockpit/<Quantity>`` names, at the trainer's step (as its loss: the step just taken), every
+parameter's too with ``per_parameter=True``; every tracked step is in the cockpit's log. At the end of training
 the cockpit's log and dashboard are written to ``logpath``. The cockpit's state is saved in each
 checkpoint the trainer writes (``cockpit_state.pt``) and restored when it resumes from one
 (``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``.
@@ -25,7 +26,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from cockpit_fast.integrations._tracking import ScalarForwarder, TrainerSteps, make_cockpit, sample_losses, write_results
+from cockpit_fast.integrations._tracking import TrainerSteps, latest_scalars, make_cockpit, sample_losses, write_results
 
 STATE_FILE = "cockpit_state.pt"
 """The cockpit's state in each checkpoint folder the trainer writes, restored when it resumes."""
@@ -42,12 +43,17 @@ class CockpitCallback(TrainerCallback):
         plot (bool): Draw the dashboard beside the log. Defaults to ``True``.
         max_kept_bytes (int, optional): :class:`~cockpit_fast.Cockpit`'s bound on what an
             accumulated step keeps.
+        per_parameter (bool): Log each parameter's values too (one scalar each), not only the
+            whole model's. Defaults to ``False``.
     """
 
-    def __init__(self, quantities="economy", logpath=None, plot=True, max_kept_bytes=None):
+    def __init__(self, quantities="economy", logpath=None, plot=True, max_kept_bytes=None, per_parameter=False):
         self.quantities, self.logpath, self.plot, self.max_kept_bytes = quantities, logpath, plot, max_kept_bytes
+        self.per_parameter = per_parameter
         self.cockpit = None
-        self._steps = self._hook = self._logger = self._trainer = self._args = None
+        self._steps = self._hook = self._trainer = self._args = None
+        self._logging = False  # inside our own trainer.log: its on_log is ours to pass
+        self._logged_through = None  # the newest tracked step logged
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.cockpit is None:
@@ -56,11 +62,7 @@ class CockpitCallback(TrainerCallback):
         if self._hook is None:
             self._hook = model.register_forward_hook(self._micro_batch, with_kwargs=True)
         self._args = args
-        trainer, resumed_from = _calling_trainer()
-        self._trainer = trainer
-        if trainer is not None:
-            # trainer.log reaches every logger the trainer reports to, at its current global step.
-            self._logger = ScalarForwarder(lambda step, scalars: trainer.log(scalars))
+        self._trainer, resumed_from = _calling_trainer()
         saved = None if resumed_from is None else os.path.join(resumed_from, STATE_FILE)
         if saved is not None and os.path.isfile(saved):
             self.cockpit.load_state_dict(torch.load(saved, weights_only=True))
@@ -93,8 +95,23 @@ class CockpitCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._steps.end()
-        if self._logger is not None:
-            self._logger.log(self.cockpit, state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # trainer.log reaches every logger the trainer reports to (they see its logs before
+        # this callback does: the cockpit's numbers follow as a log of their own).
+        if self._logging or self._trainer is None or self.cockpit is None:
+            return
+        newest = max(self.cockpit.get_output(), default=None)
+        if newest is None or newest == self._logged_through:  # nothing tracked since (the run's summary)
+            return
+        self._logged_through = newest
+        scalars = latest_scalars(self.cockpit, self.per_parameter)
+        if scalars:
+            self._logging = True
+            try:
+                self._trainer.log(scalars)
+            finally:
+                self._logging = False
 
     def on_train_end(self, args, state, control, **kwargs):
         self._steps.abandon()
