@@ -16,6 +16,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast.statistics import ROUTES, StepContext, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
+from cockpit_fast.loggers import parameter_names
 from cockpit_fast.per_sample import Engine
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import FastQuantity, merged_hooks
@@ -99,6 +100,8 @@ class Cockpit:
         self._nan_loss = _NanLossWatch()
         self._steps_since_output = 0
         self._mean_checked = False  # the first step with per-sample statistics checks info's loss
+        self._last_step = None  # the step last tracked or not: whether steps come one after another
+        self._learning_rates = {}  # step -> info['optimizer']'s learning rate
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -141,10 +144,34 @@ class Cockpit:
         info = {} if info is None else info
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
+            # The dashboard's learning rate where log() gives none (the first group's, as Cockpit's examples log it).
+            self._learning_rates[global_step] = float(info["optimizer"].param_groups[0]["lr"])
         # A step combines the processes' batches where some quantity reads them.
+        self.expect(global_step)  # late for a forward pass made before: the engine says so where it matters
         reduces = any(q.reads_batch(global_step) for q in self.quantities)
         group = self.process_group if reduces else None
         return _TrackedBackward(self, StepContext(global_step, self.params, info, group), exts, debug)
+
+    def expect(self, global_step):
+        """Say that the forward pass of ``global_step`` comes next, where the loop opens the step
+        after it (a trainer's hooks) and step numbers may skip: its module calls are watched if
+        a quantity needs them. (The cockpit stops watching after a step while the next one,
+        numbered one more, needs no per-sample gradients.)"""
+        if self._engine is not None and not self._engine.watching and self._needs_calls(global_step):
+            self._engine.watch(True)
+
+    def _needs_calls(self, global_step):
+        """Whether a quantity may read per-sample gradients or curvatures at ``global_step``."""
+        return any(q.needs_calls(global_step) for q in self.quantities)
+
+    def _plan_watching(self, global_step):
+        """After a step: while steps come one after another, the forward passes of the next are
+        watched only if it needs per-sample gradients (a step no quantity tracks then costs what
+        it costs without a cockpit)."""
+        consecutive = self._last_step is not None and global_step == self._last_step + 1
+        self._last_step = global_step
+        if self._engine is not None:
+            self._engine.watch(not consecutive or self._needs_calls(global_step + 1))
 
     def _track(self, ctx, buffers, curvature_names, skipped=()):
         """Let every quantity but ``skipped`` track ``ctx``; free ``buffers`` before those that
@@ -209,7 +236,44 @@ class Cockpit:
             name = type(q).__name__
             for step, value in q.get_output().items():
                 self.output[step][name] = value
+        # Learning rates of steps without a row (none will come) are not kept.
+        latest = max(self.output, default=float("-inf"))
+        self._learning_rates = {s: r for s, r in self._learning_rates.items() if s in self.output or s > latest}
         return self.output
+
+    def logged_output(self):
+        """What :meth:`write` writes and the dashboard draws: :meth:`get_output`, with each row's
+        ``learning_rate`` taken from ``info['optimizer']`` where :meth:`log` recorded none."""
+        output = self.get_output()
+        rates = self._learning_rates
+        return {
+            step: row if "learning_rate" in row or step not in rates else {**row, "learning_rate": rates[step]}
+            for step, row in output.items()
+        }
+
+    def output_by_name(self, model=None):
+        """:meth:`get_output` with each per-parameter list (of every tracked parameter, in order)
+        turned into ``{parameter name: value}``, in dict outputs too (GradNoiseScale's).
+
+        Args:
+            model (torch.nn.Module, optional): Whose parameter names to use; by default those in
+                the model the cockpit saw (where a quantity needed per-sample gradients), else
+                ``param_<i>``.
+        """
+        if model is not None:
+            by_id = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+            names = [by_id.get(id(p), f"param_{index}") for index, p in enumerate(self.params)]
+        else:
+            names = parameter_names(self)
+
+        def named(value):
+            if isinstance(value, dict):
+                return {key: named(item) for key, item in value.items()}
+            if isinstance(value, (list, tuple, np.ndarray)) and len(value) == len(names) and getattr(value, "ndim", 1) == 1:
+                return dict(zip(names, value))
+            return value
+
+        return {step: {key: named(value) for key, value in row.items()} for step, row in self.get_output().items()}
 
     def state_dict(self):
         """Everything a run restored from a checkpoint needs to go on exactly as if uninterrupted:
@@ -239,6 +303,7 @@ class Cockpit:
             "steps_since_output": self._steps_since_output,
             "mean_checked": self._mean_checked,
             "optimizer_name": getattr(self, "_optimizer_name", None),
+            "learning_rates": dict(self._learning_rates),
         }
 
     def load_state_dict(self, state):
@@ -285,6 +350,7 @@ class Cockpit:
         self._mean_checked = state["mean_checked"]
         if state["optimizer_name"] is not None:
             self._optimizer_name = state["optimizer_name"]
+        self._learning_rates = dict(state.get("learning_rates", {}))
 
     def is_writer(self):
         """Whether this process writes logs: always, but under ``torch.distributed`` rank 0 only
@@ -300,7 +366,7 @@ class Cockpit:
         return ""
 
     def write(self, logpath):
-        """Write :meth:`get_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
+        """Write :meth:`logged_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
 
         Plain JSON, one line per step: arrays are the ``{"__ndarray__": values, "dtype", "shape"}``
         records that json_tricks (Cockpit 1.0.2's reader) turns back into arrays, whole numbers
@@ -328,7 +394,7 @@ class Cockpit:
             record = {"__ndarray__": nested, "dtype": str(value.dtype), "shape": list(value.shape)}
             return {**record, "Corder": True} if value.ndim > 1 else record  # as json_tricks writes them
 
-        output = self.get_output()
+        output = self.logged_output()
         compact = {"default": array_record, "separators": (",", ":"), "sort_keys": True}
         lines = [f"{json.dumps(str(step))}:{json.dumps(output[step], **compact)}" for step in sorted(output)]
         with open(path, "w") as file:
@@ -573,6 +639,12 @@ class _TrackedBackward:
         self._ended.append(self._given)
 
     def __exit__(self, exc_type, exc, traceback):
+        try:
+            self._exit(exc_type, exc, traceback)
+        finally:
+            self._cockpit._plan_watching(self._ctx.global_step)
+
+    def _exit(self, exc_type, exc, traceback):
         cockpit, ctx = self._cockpit, self._ctx
         self._open = False
         for context in reversed(self._contexts):

@@ -248,10 +248,35 @@ def test_write_produces_cockpits_json_log(tmp_path):
     expected, actual = outputs
     assert actual.keys() == expected.keys()
     for step in expected:
-        assert actual[step].keys() == expected[step].keys()
+        # Ours also gives the steps log() did not cover the optimizer's learning rate (for the dashboard).
+        assert actual[step].keys() == expected[step].keys() | {"learning_rate"}
         hist_e, hist_a = expected[step]["GradHist1d"]["hist"], actual[step]["GradHist1d"]["hist"]
         assert hist_a.keys() == hist_e.keys() and (hist_e["dtype"], hist_a["dtype"]) == ("float32", "float64")
     assert actual["2"]["train_accuracy"] == 0.8
+    assert actual["2"]["learning_rate"] == 0.1 and actual["0"]["learning_rate"] == 0.1  # log()'s; the optimizer's
+
+
+def test_the_dashboard_reads_the_learning_rate_from_the_optimizer(tmp_path):
+    from cockpit_fast.instruments.tracking_log import TrackingLog, read_output
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cp = FastCockpit(model.parameters(), quantities=[fast_quantities.Loss(fast_schedules.linear(2))])
+    for step in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(6, 4)), torch.randint(0, 3, (6,)))
+        with cp(step, info={"loss": loss, "optimizer": opt}):
+            loss.backward()
+        opt.step()
+        scheduler.step()
+    assert "learning_rate" not in cp.get_output()[0]  # get_output() stays Cockpit's
+    cp.write(str(tmp_path / "log"))
+    for source in (cp, str(tmp_path / "log")):
+        steps, rates = TrackingLog(read_output(source)).series("learning_rate")
+        assert list(steps) == [0, 2, 4] and list(rates) == pytest.approx([0.5, 0.125, 0.03125])
+    assert sorted(cp._learning_rates) == [0, 2, 4]  # the untracked steps' are not kept
 
 
 def test_memory_stays_flat_over_many_steps():

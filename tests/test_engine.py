@@ -315,3 +315,52 @@ def test_a_grad_scalers_scale_is_divided_out():
         for key in ("NormTest", "InnerTest", "GradNorm"):
             assert scaled[key] == pytest.approx(plain[key], rel=1e-5), (step, key)
         assert numpy.array_equal(scaled["GradHist1d"]["hist"], plain["GradHist1d"]["hist"])
+
+
+def _steps(model, cockpit, steps, gen, hand_in_losses=True):
+    for step in steps:
+        model.zero_grad()
+        x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": N, "loss": losses.mean(), **({"individual_losses": losses} if hand_in_losses else {})}
+        with cockpit(step, info=info):
+            losses.mean().backward()
+    return x, y
+
+
+def test_the_forward_pass_of_a_step_no_quantity_tracks_is_not_watched():
+    model = _mlp()
+    every_other = lambda step: step % 2 == 0  # noqa: E731
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(every_other)])
+    gen = torch.Generator().manual_seed(0)
+    _steps(model, cockpit, [0, 1], gen)
+    assert cockpit._engine.watching  # step 2 is tracked
+    _steps(model, cockpit, [2], gen)
+    assert not cockpit._engine.watching  # step 3 is not: its forward pass costs nothing more
+    outputs = model(torch.randn(N, 5))
+    assert cockpit._engine.capture.calls() == []
+    del outputs
+    x, y = _steps(model, cockpit, [3, 4], gen)
+    assert sorted(cockpit.get_output()) == [0, 2, 4]
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+    assert cockpit.get_output()[4]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-4)
+
+
+def test_a_step_number_that_skips_ahead_to_a_tracked_step_takes_the_whole_graph_and_says_why():
+    model = _mlp()
+    every_other = lambda step: step % 2 == 0  # noqa: E731
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(every_other)])
+    gen = torch.Generator().manual_seed(1)
+    _steps(model, cockpit, [0, 1, 2], gen)  # step 3 untracked: not watched
+    with pytest.warns(RuntimeWarning, match="forward pass ran while the cockpit was not watching"):
+        x, y = _steps(model, cockpit, [6], gen)  # its forward pass was not watched: exact all the same
+    assert cockpit.get_output()[6]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-4)
+    x, y = _steps(model, cockpit, [8], gen)  # watched again
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+    _steps(model, cockpit, [9, 10], gen)
+    cockpit.expect(14)  # a loop that opens the step after its forward pass says which comes
+    _steps(model, cockpit, [14], gen, hand_in_losses=False)
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+    _steps(model, cockpit, [15, 16], gen)
+    with pytest.raises(ValueError, match="not watching"):
+        _steps(model, cockpit, [20], gen, hand_in_losses=False)

@@ -102,3 +102,16 @@ def test_the_pytorch_lightning_import_name_has_the_same_callback():
     from cockpit_fast.integrations.pytorch_lightning import CockpitCallback as Other
 
     assert issubclass(Other, pytorch_lightning.Callback) and Other.__doc__ == CockpitCallback.__doc__
+
+
+def test_steps_no_quantity_tracks_are_not_watched_and_the_tracked_ones_keep_their_rules(tmp_path):
+    import warnings
+
+    x, y = _data(40)  # 5 optimizer steps of 8
+    every_other = lambda step: step % 2 == 0  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback, _ = _fit(_Classifier(lr=0.1), [quantities.NormTest(every_other)], x, y, tmp_path, max_epochs=1)
+    assert sorted(callback.cockpit.get_output()) == [0, 2, 4]
+    assert set(callback.cockpit.routes().values()) == {"module-local: Linear rule"}
+    assert not [w for w in caught if "whole-graph" in str(w.message)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cockpit_fast import Cockpit
+from cockpit_fast import Cockpit, quantities
 from cockpit_fast.loggers import TensorBoardLogger, WandbLogger
 from cockpit_fast.quantities import GradNoiseScale, Parameters
 from cockpit_fast.utils import schedules
@@ -228,3 +228,25 @@ def test_wandb_logger_without_wandb_or_a_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     with pytest.raises(ValueError, match=r"no W&B run is active: call wandb.init\(\) first"):
         WandbLogger()
+
+
+def test_the_output_by_parameter_name():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    every = lambda step: True  # noqa: E731
+    cockpit = Cockpit(model.parameters(), quantities=[
+        quantities.GradNorm(every), quantities.NormTest(every), quantities.GradNoiseScale(every)])
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    row, plain = cockpit.output_by_name()[0], cockpit.get_output()[0]
+    assert list(row["GradNorm"]) == names
+    assert [row["GradNorm"][name] for name in names] == list(plain["GradNorm"])
+    assert [float(p.grad.norm()) for p in model.parameters()] == pytest.approx(list(row["GradNorm"].values()), rel=1e-5)
+    assert list(row["GradNoiseScale"]["b_simple_per_param"]) == names
+    assert row["NormTest"] == plain["NormTest"]
+    assert isinstance(plain["GradNorm"], list)  # get_output() unchanged: Cockpit's format
+    named = torch.nn.ModuleDict({"encoder": model})
+    assert list(cockpit.output_by_name(named)[0]["GradNorm"]) == [f"encoder.{name}" for name in names]

@@ -159,19 +159,37 @@ def add_guides(ax, color, vertical=(0.0,), horizontal=(0.0,), linewidth=1.5):
 def use_log_scale(ax, direction, values, labels=3):
     """Log scale on ``ax``'s ``direction`` ("x" or "y") if all values are positive, with legible ticks.
 
-    Data within one decade get plain labels at round values, ``labels`` intervals at most, and no
-    other (a decade's own label, 10^0 among 0.8 and 1.2, would overlap them); data across decades
-    are labelled at the decades only.
+    Data within one decade get plain labels at round values and no other (a decade's own label,
+    10^0 among 0.8 and 1.2, would overlap them): evenly spaced ones, ``labels`` intervals at most,
+    where the data span less than a factor 3 (a log axis is nearly linear there), else 1, 2 or 5
+    times a power of ten at least 40% of the span apart on the axis (evenly spaced labels,
+    1.5 and 3, crowd the top of a log axis from 0.3 to 3); data across decades are labelled at the
+    decades only.
     """
     values = np.asarray(values, dtype=float)
     if not len(values) or np.any(values <= 0):
         return
     getattr(ax, f"set_{direction}scale")("log")
     axis = getattr(ax, f"{direction}axis")
-    if values.max() < 10 * values.min():
-        axis.set_major_locator(ticker.MaxNLocator(labels))
+    low, high = values.min(), values.max()
+    if high < 10 * low:
+        locator = ticker.MaxNLocator(labels) if high < 3 * low else ticker.FixedLocator(_spread_round_values(low, high))
+        axis.set_major_locator(locator)
         axis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
     axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _spread_round_values(low, high):
+    """1, 2 or 5 times a power of ten in [low, high], each at least 40% of log(high / low) above
+    the one before: two or three labels on a small plot."""
+    gap = 0.4 * np.log10(high / low)
+    exponents = range(int(np.floor(np.log10(low))), int(np.ceil(np.log10(high))) + 1)
+    candidates = sorted(m * 10.0**k for k in exponents for m in (1, 2, 5) if low <= m * 10.0**k <= high)
+    chosen = []
+    for value in candidates:
+        if not chosen or np.log10(value / chosen[-1]) >= gap:
+            chosen.append(value)
+    return chosen
 
 
 def legend_with_latest(ax, percentage=False, **legend_kwargs):

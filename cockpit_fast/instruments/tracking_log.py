@@ -13,6 +13,8 @@ def read_output(source):
     A path may be given with or without its ``.json`` suffix (``Cockpit.write(logpath)``
     writes ``logpath + ".json"``, and the plotter is handed ``logpath``).
     """
+    if hasattr(source, "logged_output"):  # cockpit_fast's: what its log holds
+        return source.logged_output()
     if hasattr(source, "get_output"):
         return source.get_output()
     if isinstance(source, (str, os.PathLike)):

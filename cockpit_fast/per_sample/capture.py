@@ -185,14 +185,31 @@ class Capture:
         self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
         me = weakref.ref(self)
         # Python bookkeeping, hidden from torch.compile: compiled models call it between graphs.
-        enter = torch.compiler.disable(lambda m, a: _call(me, "_enter", m))
-        leave = torch.compiler.disable(lambda m, a, *rest: _call(me, "_exit", m, a, *rest))
-        handles = [
-            register_module_forward_pre_hook(enter),
-            # always_call: a forward that raises must not leave its frame behind.
-            register_module_forward_hook(leave, with_kwargs=True, always_call=True),
-        ]
-        weakref.finalize(self, lambda: [h.remove() for h in handles])
+        self._enter_hook = torch.compiler.disable(lambda m, a: _call(me, "_enter", m))
+        self._leave_hook = torch.compiler.disable(lambda m, a, *rest: _call(me, "_exit", m, a, *rest))
+        self._handles = []  # the global hooks while watching (one list: the finalizer removes what it holds)
+        self.watch(True)
+        weakref.finalize(self, lambda handles=self._handles: [h.remove() for h in handles])
+
+    @property
+    def watching(self):
+        """Whether module calls are recorded (every forward pass pays torch's hook path then)."""
+        return bool(self._handles)
+
+    def watch(self, on):
+        """Record module calls from now on, or stop: forward passes that no backward pass needs
+        per-sample gradients of then cost what they cost without a capture."""
+        if on and not self._handles:
+            self._handles.extend([
+                register_module_forward_pre_hook(self._enter_hook),
+                # always_call: a forward that raises must not leave its frame behind.
+                register_module_forward_hook(self._leave_hook, with_kwargs=True, always_call=True),
+            ])
+        elif not on:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._frames.clear()
 
     def _enter(self, module):
         if not self._frames:

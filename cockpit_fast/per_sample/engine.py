@@ -63,6 +63,18 @@ class Engine:
         self._unused = set()  # ids of parameters the checks' backward pass did not reach
         self._routes = {}  # id(param) -> its route at the last step
         self._warned = set()
+        self._resumed = False  # watching again since the last pass: the forward pass under way may be unseen
+
+    @property
+    def watching(self):
+        """Whether the capture records the forward passes' module calls."""
+        return self.capture.watching
+
+    def watch(self, on):
+        """Record the forward passes' module calls from now on, or stop while no backward pass
+        will want per-sample gradients (forward passes then cost nothing more)."""
+        self._resumed = self._resumed or (on and not self.capture.watching)
+        self.capture.watch(on)
 
     def begin(self, losses, scale, batch_size=None, loss=None):
         """Before the backward pass whose per-sample gradients are wanted: checks the calls not
@@ -126,6 +138,7 @@ class Engine:
         if not failed:  # the next step's forward pass is another (a graph the user keeps is no part of it)
             for call in step.calls:
                 call.spent = True
+            self._resumed = False
         if not step.armed:
             return step.forms
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
@@ -244,8 +257,15 @@ class Engine:
         for p in tracked:
             if id(p) in self._outside:
                 needs.setdefault(id(p), self._outside[id(p)])
-            elif id(p) not in covered and id(p) not in self._unused and has_losses:  # unused: per_param() tells
-                needs.setdefault(id(p), "no module call used it (used before the cockpit was made?)")
+            elif id(p) not in covered and id(p) not in self._unused and (has_losses or self._resumed):
+                # (unused ones: per_param() tells)
+                why = (
+                    "its forward pass ran while the cockpit was not watching (after a step no quantity tracks, "
+                    "the cockpit watches again for the step numbered one more, or one it is told of with "
+                    "cockpit.expect(step))" if self._resumed else
+                    "no module call used it (used before the cockpit was made?)"
+                )
+                needs.setdefault(id(p), why)
         if self.capture.mixing and not has_losses:
             names = ", ".join(sorted({type(m).__name__ for m in self.capture.mixing}))
             raise ValueError(

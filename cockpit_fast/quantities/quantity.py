@@ -54,6 +54,10 @@ class FastQuantity:
         """Whether this quantity does any work at ``global_step``."""
         return self._track_schedule(global_step)
 
+    def needs_calls(self, global_step):
+        """Whether the forward pass of ``global_step`` must be watched (see :attr:`NEEDS_CALLS`)."""
+        return self.NEEDS_CALLS and self.should_compute(global_step)
+
     def reads_batch(self, global_step):
         """Whether it reads the mini-batch at ``global_step`` (see :attr:`READS_BATCH`)."""
         return self.READS_BATCH and self.should_compute(global_step)
@@ -338,6 +342,10 @@ class Quantity(FastQuantity):
     def should_compute(self, global_step):
         """Whether to compute at ``global_step``; subclasses must say."""
         raise NotImplementedError
+
+    def needs_calls(self, global_step):
+        # Its own track() may compute at any step, by rules the cockpit cannot ask: always watched.
+        return self.NEEDS_CALLS
 
     def _track_step(self, ctx):
         """Cockpit's call: ``track(global_step, params, batch_loss)`` with the step, the tracked
