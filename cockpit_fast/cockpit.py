@@ -1,7 +1,6 @@
 """``Cockpit``: tracks quantities during training, a drop-in for ``cockpit.Cockpit`` 1.0.2."""
 
 import contextlib
-import json
 import os
 import warnings
 from collections import Counter, defaultdict
@@ -16,6 +15,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast.statistics import ROUTES, StepContext, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
+from cockpit_fast.log_stream import LogStream, read_log, write_log
 from cockpit_fast.loggers import parameter_names
 from cockpit_fast.per_sample import Engine
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
@@ -58,6 +58,13 @@ class Cockpit:
             ``torch.distributed`` is initialised when the cockpit is made.
         log_all_ranks (bool, optional): Let every process write logs, not only rank 0; each
             then writes ``<logpath>_rank<r>.json``. Defaults to ``False``.
+        logpath (str, optional): Stream the log to ``logpath + '.json'`` as the run goes
+            (:mod:`cockpit_fast.log_stream`): each step's row once the step is finished (after
+            the next tracked step; the last at :meth:`write`), so a run killed at any point
+            keeps them, and the cockpit holds only the rows not yet written plus the last
+            :attr:`RECENT_ROWS` (memory bounded however long the run). :meth:`get_output` and
+            the plotter read the written rows back. Defaults to ``None``: all in memory until
+            :meth:`write`, as Cockpit.
         max_kept_bytes (int, optional): In a step accumulated over micro-batches
             (:meth:`_TrackedBackward.micro_batch`), the statistics that set each sample's
             gradient against the step's (InnerTest, OrthoTest, Alpha) keep every micro-batch's
@@ -81,13 +88,20 @@ class Cockpit:
     """Keep a copy of each step's gradient as its backward passes make it, before anything
     changes ``param.grad`` (a trainer clipping it before the step is tracked)."""
 
+    RECENT_ROWS = 64
+    """Rows a streaming cockpit keeps after writing them, for :meth:`recent_output` (loggers that
+    write each step's new values read them there)."""
+
     def __init__(
-        self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False, max_kept_bytes=None
+        self, params, quantities=None, per_sample_route="auto", process_group=None, log_all_ranks=False,
+        max_kept_bytes=None, logpath=None,
     ):
         self.params = _trainable(params)
         self.max_kept_bytes = max_kept_bytes
         self.process_group = resolve_group(process_group)
         self.log_all_ranks = log_all_ranks
+        self._stream = LogStream(logpath + self.rank_suffix + ".json") if logpath is not None and self.is_writer() else None
+        self._recent = {}  # step -> row of the last rows streamed
         if per_sample_route not in ROUTES:
             raise ValueError(f"per_sample_route must be one of {ROUTES}, got {per_sample_route!r}")
         self.per_sample_route = per_sample_route
@@ -192,8 +206,23 @@ class Cockpit:
             for q in late:
                 q._track_step(ctx)
         self._steps_since_output += 1
-        if self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
-            self.get_output()
+        if self._stream is not None:
+            self._stream_finished(ctx.global_step)
+        elif self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
+            self._collect()
+
+    def _stream_finished(self, global_step):
+        """Write the rows of the steps before ``global_step`` (no quantity adds to them any more:
+        a two-step quantity completes a step at the next) and let go of them."""
+        self._collect()
+        finished = {step: self._with_learning_rate(step, row) for step, row in self.output.items() if step < global_step}
+        self._stream.append(finished)
+        for step in finished:
+            del self.output[step]
+            self._learning_rates.pop(step, None)
+        for q in self.quantities:
+            q.forget(finished)
+        self._recent = dict(sorted({**self._recent, **finished}.items())[-self.RECENT_ROWS :])
 
     def _free(self, buffers, ctx):
         """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters: the tracked
@@ -229,7 +258,27 @@ class Cockpit:
         self.output[global_step].update(zip(_LOG_KEYS, values))
 
     def get_output(self):
-        """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded."""
+        """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded
+        (streaming, ``logpath`` given: the rows written read back, with the rest, as
+        :meth:`logged_output` gives them)."""
+        self._collect()
+        if self._stream is None:
+            return self.output
+        output = self._stream.read()
+        for step, row in self.output.items():  # in the form the log holds them
+            output[step] = {**output.get(step, {}), **self._with_learning_rate(step, row)}
+        return dict(sorted(output.items()))
+
+    def recent_output(self):
+        """The rows not yet streamed and the last :attr:`RECENT_ROWS` streamed (without
+        ``logpath``: :meth:`get_output`), for loggers that write each step's new values."""
+        if self._stream is None:
+            return self.get_output()
+        self._collect()
+        return {**self._recent, **{step: dict(row) for step, row in self.output.items()}}
+
+    def _collect(self):
+        """Convert what the quantities stored into output rows."""
         self._nan_loss.report()
         self._steps_since_output = 0
         for q in self.quantities:
@@ -239,17 +288,17 @@ class Cockpit:
         # Learning rates of steps without a row (none will come) are not kept.
         latest = max(self.output, default=float("-inf"))
         self._learning_rates = {s: r for s, r in self._learning_rates.items() if s in self.output or s > latest}
-        return self.output
+
+    def _with_learning_rate(self, step, row):
+        """``row`` with ``info['optimizer']``'s learning rate where :meth:`log` gave none."""
+        if "learning_rate" in row or step not in self._learning_rates:
+            return row
+        return {**row, "learning_rate": self._learning_rates[step]}
 
     def logged_output(self):
         """What :meth:`write` writes and the dashboard draws: :meth:`get_output`, with each row's
         ``learning_rate`` taken from ``info['optimizer']`` where :meth:`log` recorded none."""
-        output = self.get_output()
-        rates = self._learning_rates
-        return {
-            step: row if "learning_rate" in row or step not in rates else {**row, "learning_rate": rates[step]}
-            for step, row in output.items()
-        }
+        return {step: self._with_learning_rate(step, row) for step, row in self.get_output().items()}
 
     def output_by_name(self, model=None):
         """:meth:`get_output` with each per-parameter list (of every tracked parameter, in order)
@@ -284,7 +333,10 @@ class Cockpit:
         A plain dict (key ``"version"``) of plain types and CPU tensors that shares nothing with
         the model: ``torch.save`` it beside the model's and the optimizer's state dicts, and
         ``torch.load(..., weights_only=True)`` reads it back. Values waiting on the device are
-        converted to output first. Restore it with :meth:`load_state_dict`.
+        converted to output first. Restore it with :meth:`load_state_dict`. A streaming cockpit's
+        state holds the rows not yet in its log file, and the file's path and last step: the
+        cockpit it is restored into reads the file's steps up to there (a streaming one starts
+        its own file with them, and goes on).
         """
         from cockpit_fast.quantities.quantity import STATE_VERSION, plain_state
 
@@ -304,6 +356,8 @@ class Cockpit:
             "mean_checked": self._mean_checked,
             "optimizer_name": getattr(self, "_optimizer_name", None),
             "learning_rates": dict(self._learning_rates),
+            # Streaming: the log file and the steps already in it (the rows above are those not yet).
+            "streamed": None if self._stream is None else {"path": self._stream.path, "through": self._stream.last_step},
         }
 
     def load_state_dict(self, state):
@@ -351,6 +405,13 @@ class Cockpit:
         if state["optimizer_name"] is not None:
             self._optimizer_name = state["optimizer_name"]
         self._learning_rates = dict(state.get("learning_rates", {}))
+        earlier = _streamed_rows(state.get("streamed"))
+        if self._stream is not None:  # the log file goes on from the checkpoint's step
+            self._stream.rewrite(earlier)
+            self._recent = {}
+        else:
+            for step, row in earlier.items():
+                self.output[step] = {**row, **self.output.get(step, {})}
 
     def is_writer(self):
         """Whether this process writes logs: always, but under ``torch.distributed`` rank 0 only
@@ -366,11 +427,8 @@ class Cockpit:
         return ""
 
     def write(self, logpath):
-        """Write :meth:`logged_output` to ``logpath + '.json'`` in the format Cockpit's plotter reads.
-
-        Plain JSON, one line per step: arrays are the ``{"__ndarray__": values, "dtype", "shape"}``
-        records that json_tricks (Cockpit 1.0.2's reader) turns back into arrays, whole numbers
-        are written without a fraction and float32 values with the digits float32 needs.
+        """Write :meth:`logged_output` to ``logpath + '.json'`` in the format Cockpit's plotter
+        reads (:mod:`cockpit_fast.log_stream`: plain JSON, one line per step).
         Under ``torch.distributed`` only rank 0 writes, unless ``log_all_ranks``: then rank r
         writes ``logpath + f'_rank{r}.json'``.
         """
@@ -378,27 +436,21 @@ class Cockpit:
             return
         path = logpath + self.rank_suffix + ".json"
         print(f"[cockpit] writing output to {path}")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-
-        def array_record(value):
-            # json.dumps's default: NumPy values; a float32's str() is its shortest exact form and
-            # whole numbers (histogram counts) need no fraction.
-            if isinstance(value, np.generic):
-                return value.item()
-            if not isinstance(value, np.ndarray):
-                raise TypeError(f"cannot write a {type(value).__name__} to a cockpit log")
-            values = value.ravel().tolist()
-            if value.dtype.kind == "f":
-                values = [int(x) if x.is_integer() and abs(x) < 2**53 else float(str(x)) for x in value.ravel()]
-            nested = np.array(values, dtype=object).reshape(value.shape).tolist()
-            record = {"__ndarray__": nested, "dtype": str(value.dtype), "shape": list(value.shape)}
-            return {**record, "Corder": True} if value.ndim > 1 else record  # as json_tricks writes them
-
         output = self.logged_output()
-        compact = {"default": array_record, "separators": (",", ":"), "sort_keys": True}
-        lines = [f"{json.dumps(str(step))}:{json.dumps(output[step], **compact)}" for step in sorted(output)]
-        with open(path, "w") as file:
-            file.write("{\n" + ",\n".join(lines) + "\n}\n")
+        if self._stream is not None and os.path.abspath(path) == os.path.abspath(self._stream.path):
+            self._stream.rewrite(output)  # the rows not finished yet too; the stream goes on
+        else:
+            write_log(path, output)
+
+
+def _streamed_rows(streamed):
+    """The rows a streaming cockpit had written when its state was taken (``state['streamed']``)."""
+    if streamed is None or streamed["through"] is None:
+        return {}
+    path, through = streamed["path"], streamed["through"]
+    if not os.path.isfile(path):
+        raise ValueError(f"the checkpoint's steps up to {through} are in its log file {path}, which is gone")
+    return {step: row for step, row in read_log(path).items() if step <= through}
 
 
 class _NanLossWatch:

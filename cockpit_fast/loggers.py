@@ -59,13 +59,14 @@ class CockpitLogger:
         self._written = {}  # step: names of the entries written
 
     def log(self, cockpit, step=None):
-        """Write the entries of ``cockpit.get_output()`` at steps up to ``step`` (``None``: all
+        """Write the entries of ``cockpit.get_output()`` (a streaming cockpit's recent rows: call
+        it at least every ``Cockpit.RECENT_ROWS`` tracked steps) at steps up to ``step`` (``None``: all
         steps) that no earlier call wrote.
 
         Raises:
             ValueError: If ``names`` was given and does not name every tracked parameter.
         """
-        output = cockpit.get_output()
+        output = _recent_output(cockpit)
         names = parameter_names(cockpit, self.names)
         for entry_step in sorted(output):
             if step is not None and entry_step > step:
@@ -90,6 +91,11 @@ class CockpitLogger:
 
     def close(self):
         """Release what the logger holds (a run or writer handed in stays the caller's)."""
+
+
+def _recent_output(cockpit):
+    """The cockpit's rows a logger may not have written yet (Cockpit 1.0.2's: all of them)."""
+    return cockpit.recent_output() if hasattr(cockpit, "recent_output") else cockpit.get_output()
 
 
 def parameter_names(cockpit, names=None):

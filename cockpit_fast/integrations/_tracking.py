@@ -15,13 +15,13 @@ from cockpit_fast.plotter import CockpitPlotter
 from cockpit_fast.utils.configuration import configuration
 
 
-def make_cockpit(model, quantities, max_kept_bytes=None):
+def make_cockpit(model, quantities, max_kept_bytes=None, logpath=None):
     """A cockpit of ``model``'s trainable parameters tracking ``quantities`` (a list, or a
-    configuration label: ``"economy"``, ``"business"``, ``"full"``), whose steps keep their
-    gradient before the trainer clips it."""
+    configuration label: ``"economy"``, ``"business"``, ``"full"``), streaming its log to
+    ``logpath`` (if given), whose steps keep their gradient before the trainer clips it."""
     if isinstance(quantities, str):
         quantities = configuration(quantities)
-    cockpit = Cockpit(model.parameters(), quantities=list(quantities), max_kept_bytes=max_kept_bytes)
+    cockpit = Cockpit(model.parameters(), quantities=list(quantities), max_kept_bytes=max_kept_bytes, logpath=logpath)
     cockpit.capture_grads = True
     return cockpit
 
@@ -100,7 +100,7 @@ class ScalarForwarder(CockpitLogger):
 def latest_scalars(cockpit, per_parameter=False):
     """``{tag: number}`` of each quantity's latest value (Alpha's and UpdateSize's come one step
     later than the others'), tagged as :mod:`cockpit_fast.loggers` tags them."""
-    output = cockpit.get_output()
+    output = cockpit.recent_output()
     latest = {}
     for step in sorted(output, reverse=True):
         for name, value in output[step].items():
@@ -131,8 +131,9 @@ def lightning_callback(base):
         Args:
             quantities (list or str): Quantities, or a configuration label (``"economy"``,
                 ``"business"``, ``"full"``). Defaults to ``"economy"``.
-            logpath (str, optional): Where to write the cockpit's log (``logpath + '.json'``)
-                and dashboard at the end of training; None: neither.
+            logpath (str, optional): Where the cockpit's log goes (``logpath + '.json'``,
+                streamed as the run goes) and its dashboard at the end of training; None:
+                neither.
             plot (bool): Draw the dashboard beside the log. Defaults to ``True``.
             losses_attribute (str): The LightningModule's attribute that ``training_step`` sets
                 to each sample's loss (read, then set to None, before each backward pass).
@@ -155,7 +156,7 @@ def lightning_callback(base):
 
         def setup(self, trainer, pl_module, stage):
             if self.cockpit is None:
-                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes)
+                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes, self.logpath)
                 self._steps = TrainerSteps(self.cockpit)
                 # pl_module.log reaches every logger of the trainer, at the step being taken.
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731

@@ -38,8 +38,8 @@ class CockpitCallback(TrainerCallback):
     Args:
         quantities (list or str): Quantities, or a configuration label (``"economy"``,
             ``"business"``, ``"full"``). Defaults to ``"economy"``.
-        logpath (str, optional): Where to write the cockpit's log (``logpath + '.json'``) and
-            dashboard at the end of training; None: neither.
+        logpath (str, optional): Where the cockpit's log goes (``logpath + '.json'``, streamed
+            as the run goes) and its dashboard at the end of training; None: neither.
         plot (bool): Draw the dashboard beside the log. Defaults to ``True``.
         max_kept_bytes (int, optional): :class:`~cockpit_fast.Cockpit`'s bound on what an
             accumulated step keeps.
@@ -57,7 +57,7 @@ class CockpitCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.cockpit is None:
-            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes)
+            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes, self.logpath)
             self._steps = TrainerSteps(self.cockpit)
         if self._hook is None:
             self._hook = model.register_forward_hook(self._micro_batch, with_kwargs=True)
@@ -101,7 +101,7 @@ class CockpitCallback(TrainerCallback):
         # this callback does: the cockpit's numbers follow as a log of their own).
         if self._logging or self._trainer is None or self.cockpit is None:
             return
-        newest = max(self.cockpit.get_output(), default=None)
+        newest = max(self.cockpit.recent_output(), default=None)
         if newest is None or newest == self._logged_through:  # nothing tracked since (the run's summary)
             return
         self._logged_through = newest

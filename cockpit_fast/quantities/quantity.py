@@ -129,6 +129,11 @@ class FastQuantity:
         """Turn a stored value into its output form; quantities may override."""
         return to_output(value)
 
+    def forget(self, steps):
+        """Let go of the output of ``steps`` (a streaming cockpit wrote it)."""
+        for step in steps:
+            self._output.pop(step, None)
+
     def state_dict(self):
         """What this quantity carries from step to step, in plain types and CPU tensors
         (:func:`plain_state`): here the output recorded so far. Values waiting on the device are
@@ -392,6 +397,10 @@ class Quantity(FastQuantity):
     def get_output(self):
         """``{step: value}`` of what was stored."""
         return self.output
+
+    def forget(self, steps):
+        for step in steps:
+            self.output.pop(step, None)
 
     def load_state_dict(self, state, params):
         """Restore :attr:`output` from :meth:`state_dict` (see :meth:`FastQuantity.load_state_dict`)."""
