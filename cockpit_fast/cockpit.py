@@ -12,7 +12,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast.statistics import ROUTES, StepContext, StepStatistics
+from cockpit_fast.statistics import ROUTES, StepContext, StepPlan, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
 from cockpit_fast.log_stream import LogStream, read_log, write_log
@@ -155,6 +155,12 @@ class Cockpit:
         for ext in exts:
             if not isinstance(ext, BackpropExtension):
                 raise ValueError(f"*exts must be BackPACK extensions, got {ext!r}")
+        frozen = [index for index, p in enumerate(self.params) if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"tracked parameters {frozen} were frozen (requires_grad=False) after the cockpit was made: a "
+                "cockpit tracks the parameters it was made with; make a new one for the trainable parameters"
+            )
         info = {} if info is None else info
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
@@ -164,7 +170,7 @@ class Cockpit:
         self.expect(global_step)  # late for a forward pass made before: the engine says so where it matters
         reduces = any(q.reads_batch(global_step) for q in self.quantities)
         group = self.process_group if reduces else None
-        return _TrackedBackward(self, StepContext(global_step, self.params, info, group), exts, debug)
+        return _TrackedBackward(self, StepPlan(global_step, self.params, info, group, self.quantities), exts, debug)
 
     def expect(self, global_step):
         """Say that the forward pass of ``global_step`` comes next, where the loop opens the step
@@ -191,7 +197,7 @@ class Cockpit:
         """Let every quantity but ``skipped`` track ``ctx``; free ``buffers`` before those that
         need a clean graph."""
         if ctx.group is not None:
-            reduce_step(ctx, curvature_names)
+            ctx = reduce_step(ctx, curvature_names)
         if ctx.has_info("loss"):
             self._nan_loss.observe(ctx.global_step, ctx.loss(self))
         tracked = [q for q in self.quantities if q not in skipped]
@@ -201,7 +207,7 @@ class Cockpit:
                 if not q.RUNS_AFTER_CLEANUP:
                     q._track_step(ctx)
         finally:  # a quantity that raises must not leave BackPACK's buffers behind
-            self._free(buffers, ctx)
+            self._free(buffers, ctx.extended_params)
         with disable():
             for q in late:
                 q._track_step(ctx)
@@ -224,10 +230,11 @@ class Cockpit:
             q.forget(finished)
         self._recent = dict(sorted({**self._recent, **finished}.items())[-self.RECENT_ROWS :])
 
-    def _free(self, buffers, ctx):
+    def _free(self, buffers, extended_params):
         """Delete the BackPACK ``buffers`` the cockpit asked for from the parameters: the tracked
-        ones and every other one BackPACK filled (a cockpit may track part of a model)."""
-        for p in [*self.params, *ctx.extended_params]:
+        ones and every other one BackPACK filled (``extended_params``: a cockpit may track part
+        of a model)."""
+        for p in [*self.params, *extended_params]:
             for name in buffers:
                 if hasattr(p, name):
                     delattr(p, name)
@@ -498,18 +505,10 @@ class _TrackedBackward:
     its backward pass: the step's statistics are then those of the union of the micro-batches.
     """
 
-    def __init__(self, cockpit, ctx, user_exts, debug):
+    def __init__(self, cockpit, plan, user_exts, debug):
         self._cockpit = cockpit
-        self._ctx = ctx
-        step = ctx.global_step
-        frozen = [index for index, p in enumerate(cockpit.params) if not p.requires_grad]
-        if frozen:
-            raise ValueError(
-                f"tracked parameters {frozen} were frozen (requires_grad=False) after the cockpit was made: a "
-                "cockpit tracks the parameters it was made with; make a new one for the trainable parameters"
-            )
-        for q in cockpit.quantities:
-            ctx.requests.update(q.statistics(ctx))
+        self._plan = plan
+        step = plan.global_step
         self._requested_by = {}  # BackPACK extension type -> the quantities asking for it
         for q in cockpit.quantities:
             for e in q.extensions(step):
@@ -529,12 +528,13 @@ class _TrackedBackward:
         self._micro = False  # micro_batch() started the passes
         self._unplanned = None  # why the pass begun at entry could not be planned (no losses)
         self._size = None  # samples of the micro-batch under way, where told
+        self._extended = []  # every parameter BackPACK's extensions visited, tracked or not
         self._open = False
         kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
         hooks = merged_hooks([h for q in cockpit.quantities for h in q.extension_hooks(step)])
         transforms = {"grad_batch_transforms"} if hooks else set()  # where Cockpit's hooks write
         self._buffers = ({e.savefield for e in extensions} | transforms) - kept  # freed after tracking
-        hook = _in_turn([*hooks, _record_visited(ctx)])
+        hook = _in_turn([*hooks, _record_visited(self._extended)])
         if extensions:
             self._contexts = (
                 backpack(*extensions, extension_hook=hook, debug=debug),
@@ -543,21 +543,21 @@ class _TrackedBackward:
         else:
             self._contexts = (disable(),)
         if debug:
-            print(f"[DEBUG, step {step}] statistics: {ctx.requests}, extensions: {extensions}, kept: {kept}")
+            print(f"[DEBUG, step {step}] statistics: {set(plan.requests)}, extensions: {extensions}, kept: {kept}")
 
     def __enter__(self):
-        cockpit, ctx = self._cockpit, self._ctx
+        cockpit, plan = self._cockpit, self._plan
         _check_curvature_support(cockpit._engine, self._extensions, self._requested_by)
-        if ctx.requests:
+        if plan.requests:
             _refuse_earlier_gradients(cockpit.params)
-            size = int(ctx.given("batch_size")) if ctx.has_info("batch_size") else None
+            size = int(plan.given("batch_size")) if plan.has_info("batch_size") else None
             self._statistics = StepStatistics(
-                cockpit.params, ctx.requests, cockpit.per_sample_route, size, cockpit.max_kept_bytes
+                cockpit.params, plan.requests, cockpit.per_sample_route, size, cockpit.max_kept_bytes
             )
-            self._begin(ctx.given("individual_losses"), ctx.given("loss"), micro=False)
-        if ctx.group is not None or ctx.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
+            self._begin(plan.given("individual_losses"), plan.given("loss"), micro=False)
+        if plan.group is not None or plan.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
             self._grads = GradientCapture(
-                cockpit.params, self._keep_graph, copy=ctx.group is not None or cockpit.capture_grads
+                cockpit.params, self._keep_graph, copy=plan.group is not None or cockpit.capture_grads
             )
         for context in self._contexts:
             context.__enter__()
@@ -592,12 +592,12 @@ class _TrackedBackward:
                 samples; where a quantity needs BackPACK's curvatures or a kept graph (not
                 combined over micro-batches); when a micro-batch ran no backward pass or two.
         """
-        cockpit, ctx = self._cockpit, self._ctx
+        cockpit, plan = self._cockpit, self._plan
         if not self._open:
             raise ValueError("micro_batch() starts a micro-batch inside `with cockpit(...) as tracked:`, before its backward pass")
         given = {name: value for name, value in (("individual_losses", individual_losses), ("loss", loss)) if value is not None}
         check_info(given)
-        if ctx.has_info("individual_losses"):
+        if plan.has_info("individual_losses"):
             raise ValueError(
                 "info['individual_losses'] are the losses of a step of one backward pass: with micro-batches, hand "
                 "each micro-batch's to micro_batch(individual_losses=...)"
@@ -611,7 +611,7 @@ class _TrackedBackward:
         self._unplanned = None
         self._refuse_uncombined()
         self._micro = True
-        if ctx.requests:
+        if plan.requests:
             self._begin(individual_losses, loss, micro=True)
         else:
             self._given = (individual_losses, loss, None)
@@ -622,7 +622,7 @@ class _TrackedBackward:
         if not self._ended:
             return
         needs = [name for e in self._extensions for name in self._requested_by.get(type(e), [type(e).__name__])]
-        needs += [type(q).__name__ for q in self._cockpit.quantities if q.create_graph(self._ctx.global_step)]
+        needs += [type(q).__name__ for q in self._cockpit.quantities if q.create_graph(self._plan.global_step)]
         if needs:
             raise ValueError(
                 f"{', '.join(sorted(set(needs)))} cannot be combined over micro-batches (they need BackPACK's "
@@ -631,7 +631,7 @@ class _TrackedBackward:
 
     def _begin(self, losses, loss, micro):
         """Let the engine plan the per-sample gradients of the backward pass to come."""
-        cockpit, ctx = self._cockpit, self._ctx
+        cockpit, plan = self._cockpit, self._plan
         calls = cockpit._engine.capture.calls()
         # The engine's own backward passes before the user's keep what BackPACK stored in
         # the forward pass (each backward pass frees it unless told to retain it), and are
@@ -645,12 +645,12 @@ class _TrackedBackward:
                 weight = _weight_of_each_sample(losses, loss, self._statistics.batch_size)
                 size = count
             else:
-                _check_batch_size(ctx, calls)
+                _check_batch_size(plan, calls)
                 if not cockpit._mean_checked:
-                    _check_mean_loss(ctx)
+                    _check_mean_loss(plan)
                     cockpit._mean_checked = True
                 weight = 1.0 / losses.numel() if isinstance(losses, torch.Tensor) and losses.numel() else 1.0
-                size = ctx.given_batch_size()
+                size = plan.given_batch_size()
             try:
                 self._pass = cockpit._engine.begin(losses, weight, size, loss)
             except ValueError as error:
@@ -661,7 +661,7 @@ class _TrackedBackward:
 
     def _end_pass(self, last):
         """After a micro-batch's backward pass: its gradients and per-sample statistics."""
-        cockpit, ctx = self._cockpit, self._ctx
+        cockpit, plan = self._cockpit, self._plan
         if self._unplanned is not None:
             raise self._unplanned
         grads, passes = self._grads.take() if self._grads is not None else ({}, 1)
@@ -670,34 +670,34 @@ class _TrackedBackward:
                 "no backward pass reached the tracked parameters "
                 + ("after micro_batch()" if self._micro else "inside `with cockpit(...)`: call loss.backward() inside the `with` block")
             )
-        if passes > 1 and ctx.requests:
+        if passes > 1 and plan.requests:
             raise ValueError(
                 f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
                 "accumulation?): call tracked.micro_batch(...) before each micro-batch's backward pass, in "
                 "`with cockpit(...) as tracked:`"
             )
-        if ctx.unscale != 1.0:
-            grads = {index: g * ctx.unscale for index, g in grads.items()}
+        if plan.unscale != 1.0:
+            grads = {index: g * plan.unscale for index, g in grads.items()}
         elif not last:  # the next pass may add into the tensor autograd handed on, now param.grad
             grads = {index: g.clone() for index, g in grads.items()}
         for index, grad in grads.items():
             self._total[index] = grad if index not in self._total else self._total[index] + grad
         if self._reads_micro:
-            self._micro_norms.append((self._size, [grads[i].double().square().sum() if i in grads else None for i in range(len(ctx.params))]))
+            self._micro_norms.append((self._size, [grads[i].double().square().sum() if i in grads else None for i in range(len(plan.params))]))
         if self._pass is not None:
             step, self._pass = self._pass, None
-            keyed = {id(ctx.params[index]): grad for index, grad in grads.items()}
-            self._statistics.add(cockpit._engine.end(step, keyed, unscale=ctx.unscale))
+            keyed = {id(plan.params[index]): grad for index, grad in grads.items()}
+            self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale))
         self._ended.append(self._given)
 
     def __exit__(self, exc_type, exc, traceback):
         try:
             self._exit(exc_type, exc, traceback)
         finally:
-            self._cockpit._plan_watching(self._ctx.global_step)
+            self._cockpit._plan_watching(self._plan.global_step)
 
     def _exit(self, exc_type, exc, traceback):
-        cockpit, ctx = self._cockpit, self._ctx
+        cockpit = self._cockpit
         self._open = False
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
@@ -714,50 +714,58 @@ class _TrackedBackward:
                 cockpit._engine.end(self._pass, failed=True)
                 self._pass = None
             if exc_type is not None:
-                cockpit._free(self._buffers, ctx)
+                cockpit._free(self._buffers, self._extended)
+        if exc_type is AssertionError and "expects a backpropagation quantity" in str(exc) and self._curvature_names:
+            names = sorted({name for e in self._extensions for name in self._requested_by.get(type(e), [])})
+            raise ValueError(
+                f"{', '.join(names)} need BackPACK's curvatures, which it backpropagates from the loss module: compute "
+                "the loss backward() runs on with a backpack.extend-ed loss module (extend(nn.CrossEntropyLoss())), "
+                "not a functional loss (F.cross_entropy)"
+            ) from exc
         if exc_type is not None:
             return
-        skipped = self._finish()
+        ctx, skipped = self._finish()
         cockpit._track(ctx, self._buffers, self._curvature_names, skipped)
 
     def _finish(self):
-        """The step's gradient, statistics and ``info`` over its micro-batches; returns the
-        quantities skipped for the step."""
-        cockpit, ctx = self._cockpit, self._ctx
-        ctx.local_grads = self._total
-        if ctx.group is None and self._grads is not None and len(ctx.local_grads) == len(ctx.params):
-            ctx.set_global_grads([ctx.local_grads[i].detach() for i in range(len(ctx.params))])
+        """The step's context: its gradient, statistics and ``info`` over its micro-batches;
+        and the quantities skipped for the step."""
+        cockpit, plan = self._cockpit, self._plan
+        local_grads = self._total
+        complete = self._grads is not None and len(local_grads) == len(plan.params)
+        grads = [local_grads[i].detach() for i in range(len(plan.params))] if plan.group is None and complete else None
         stats = self._statistics
-        if self._micro:
-            _combine_info(ctx, self._ended, None if stats is None else stats.samples)
-        if self._reads_micro:
-            ctx.set_micro_batch_norms(*_micro_batch_norms(self._micro_norms, ctx))
+        info = _combined_info(plan, self._ended, None if stats is None else stats.samples) if self._micro else None
+        norms = _micro_batch_norms(self._micro_norms, plan, local_grads) if self._reads_micro else None
+        step = {"local_grads": local_grads, "grads": grads, "info": info, "micro_batch_norms": norms,
+                "extended_params": self._extended}
         if stats is None:
-            return []
+            return StepContext(plan, **step), []
         if self._micro and stats.batch_size is not None and stats.samples != stats.batch_size:
             raise ValueError(
                 f"info['batch_size'] is {stats.batch_size}, but the step's micro-batches held {stats.samples} samples"
             )
-        ctx.local_batch_size = stats.samples or None
+        results = defaultdict(dict)
         for statistic, index, value in stats.values():
-            ctx.store(statistic, index, value)
-        if ctx.group is not None:
-            ctx.deferred = stats
-        else:
-            grads = {i: g.detach() for i, g in ctx.local_grads.items()}
-            for statistic, index, value in stats.later(grads):
-                ctx.store(statistic, index, value)
+            results[statistic][index] = value
+        if plan.group is None:
+            for statistic, index, value in stats.later({i: g.detach() for i, g in local_grads.items()}):
+                results[statistic][index] = value
+        ctx = StepContext(
+            plan, results=results, local_batch_size=stats.samples or None,
+            waiting=stats if plan.group is not None else None, **step,
+        )
         if not stats.dropped:
-            return []
-        skipped = [q for q in cockpit.quantities if q.statistics(ctx) & stats.skipped]
+            return ctx, []
+        skipped = [q for q in cockpit.quantities if plan.statistics_of[q] & stats.skipped]
         warnings.warn(
-            f"[Step {ctx.global_step}] {', '.join(type(q).__name__ for q in skipped)} skipped: the micro-batches' "
+            f"[Step {plan.global_step}] {', '.join(type(q).__name__ for q in skipped)} skipped: the micro-batches' "
             f"per-sample gradients they wait for (the step's gradient, or its batch size: info['batch_size']) "
             f"outgrew max_kept_bytes={cockpit.max_kept_bytes}",
             RuntimeWarning,
             stacklevel=3,
         )
-        return skipped
+        return ctx, skipped
 
 
 @contextlib.contextmanager
@@ -789,45 +797,47 @@ def _weight_of_each_sample(losses, loss, batch_size):
     return 1.0 / batch_size
 
 
-def _micro_batch_norms(norms, ctx):
-    """``(sizes, squared norms)`` of the micro-batches (see ``StepContext.micro_batch_norms``)."""
+def _micro_batch_norms(norms, plan, local_grads):
+    """``(sizes, squared norms, the step's)`` of the micro-batches (``StepContext.micro_batch_norms``)."""
     if len(norms) == 1 and norms[0][0] is None:  # the step's one backward pass
-        norms = [(ctx.given_batch_size() or 0, norms[0][1])]
+        norms = [(plan.given_batch_size() or 0, norms[0][1])]
     if any(size is None for size, _ in norms):
         raise ValueError(
             "the gradient noise scale from micro-batches needs each micro-batch's size: "
             "tracked.micro_batch(individual_losses=...) or tracked.micro_batch(batch_size=...)"
         )
-    device = ctx.params[0].device
+    device = plan.params[0].device
     zero = torch.zeros((), dtype=torch.float64, device=device)
     squared = torch.stack([torch.stack([zero if v is None else v for v in values]) for _, values in norms])
-    step = torch.stack([ctx.local_grads[i].double().square().sum() if i in ctx.local_grads else zero for i in range(len(ctx.params))])
+    step = torch.stack([local_grads[i].double().square().sum() if i in local_grads else zero for i in range(len(plan.params))])
     return torch.tensor([size for size, _ in norms], dtype=torch.float64, device=device), squared, step
 
 
-def _combine_info(ctx, ended, samples):
-    """The step's ``batch_size``, ``individual_losses`` and ``loss`` from its micro-batches'
-    (where the step's ``info`` lacks them and every micro-batch handed them in): each sample's
-    loss weighed as the backward passes weighed it, so that their mean is the step's loss."""
-    if not ctx.has_info("batch_size") and samples:
-        ctx.replace_info(batch_size=samples)
-    n = int(ctx.given("batch_size")) if ctx.has_info("batch_size") else None
+def _combined_info(plan, ended, samples):
+    """The step's ``info``, with ``batch_size``, ``individual_losses`` and ``loss`` from its
+    micro-batches' (where the plan's lacks them and every micro-batch handed them in): each
+    sample's loss weighed as the backward passes weighed it, so that their mean is the step's."""
+    entries = {}
+    if not plan.has_info("batch_size") and samples:
+        entries["batch_size"] = samples
+    n = int(plan.given("batch_size")) if plan.has_info("batch_size") else entries.get("batch_size")
     if all(losses is not None and weight is not None for losses, _, weight in ended) and n:
-        pieces = [losses.detach().reshape(-1) * (n * weight) for losses, _, weight in ended]
-        ctx.replace_info(individual_losses=torch.cat(pieces))
-    if not ctx.has_info("loss") and all(loss is not None for _, loss, _ in ended):
-        ctx.replace_info(loss=sum(loss.detach().reshape(()) for _, loss, _ in ended))
+        entries["individual_losses"] = torch.cat([losses.detach().reshape(-1) * (n * weight) for losses, _, weight in ended])
+    if not plan.has_info("loss") and all(loss is not None for _, loss, _ in ended):
+        entries["loss"] = sum(loss.detach().reshape(()) for _, loss, _ in ended)
+    return plan.info_with(**entries)
 
 
-def _record_visited(ctx):
-    """BackPACK extension hook: remembers every parameter its extensions filled, to free them."""
-    visited = set()
+def _record_visited(visited):
+    """BackPACK extension hook: adds every parameter its extensions filled to ``visited`` (to
+    free them)."""
+    seen = set()
 
     def record(module):
         for param in module.parameters(recurse=False):
-            if id(param) not in visited:
-                visited.add(id(param))
-                ctx.extended_params.append(param)
+            if id(param) not in seen:
+                seen.add(id(param))
+                visited.append(param)
 
     return record
 

@@ -102,8 +102,8 @@ class GradientCapture:
 
 
 def reduce_step(ctx, curvature_names=()):
-    """Turn ``ctx`` (a :class:`~cockpit_fast.statistics.StepContext` with a ``group``) into the
-    global batch's step, in place.
+    """The global batch's step from ``ctx`` (a :class:`~cockpit_fast.statistics.StepContext`
+    with a ``group``), a new context.
 
     Args:
         ctx: The step; its ``local_grads`` hold this rank's gradients.
@@ -114,6 +114,9 @@ def reduce_step(ctx, curvature_names=()):
         ValueError: If this rank's batch size is unknown, two statistics cannot be told apart
             across processes, or the ranks' steps do not match (checked before any buffer is
             exchanged).
+
+    Returns:
+        StepContext: The global batch's statistics, gradient, curvatures and ``info``.
     """
     group, params = ctx.group, ctx.params
     local_n = _local_batch_size(ctx)
@@ -141,7 +144,7 @@ def reduce_step(ctx, curvature_names=()):
         )
     sizes = [n for n, _ in every]
     global_n = sum(sizes)
-    ctx.rank_sizes, ctx.rank_share = sizes, local_n / global_n
+    info = {}  # the global batch's entries
 
     def values_of(reduction):
         return [(s, i) for s in statistics if s.reduction == reduction for i in sorted(results.get(s, {}))]
@@ -157,20 +160,18 @@ def reduce_step(ctx, curvature_names=()):
     if has_loss:
         parts.append(local_n * ctx.loss(_REDUCTION))
     totals = iter(_all_sum(parts, group))
-    ctx.set_global_grads([next(totals) / global_n for _ in params])
+    grads = [next(totals) / global_n for _ in params]
     for s, i in summed:
         total = next(totals)
         results[s][i] = total / global_n**s.sample_power if s.sample_power else total  # counts stay int64
-    for name in curvature_names:
-        ctx.set_curvature(name, [next(totals) / global_n for _ in params])
+    curvatures = {name: [next(totals) / global_n for _ in params] for name in curvature_names}
     if has_loss:
-        ctx.replace_info(loss=next(totals) / global_n)
+        info["loss"] = next(totals) / global_n
 
     # Statistics that read the mini-batch gradient, now that it is the global one.
-    if ctx.deferred is not None:
-        for statistic, index, value in ctx.deferred.later(ctx.grads()):
-            ctx.store(statistic, index, value)
-        ctx.deferred = None
+    if ctx.waiting is not None:
+        for statistic, index, value in ctx.waiting.later(grads):
+            results.setdefault(statistic, {})[index] = value
 
     # 3. Per-sample values in the global batch's units, concatenated in rank order.
     per_sample = values_of("per_sample")
@@ -184,7 +185,7 @@ def reduce_step(ctx, curvature_names=()):
         for s, i in per_sample:
             results[s][i] = next(gathered)
         if has_losses:
-            ctx.replace_info(individual_losses=next(gathered))
+            info["individual_losses"] = next(gathered)
 
     # 4. Maxima.
     maxima = values_of("max")
@@ -192,7 +193,11 @@ def reduce_step(ctx, curvature_names=()):
         largest = iter(_all_reduce([results[s][i].reshape(1) for s, i in maxima], dist.ReduceOp.MAX, group))
         for s, i in maxima:
             results[s][i] = next(largest)
-    ctx.replace_info(batch_size=global_n)
+    info["batch_size"] = global_n
+    return ctx.reduced(
+        results=results, grads=grads, curvatures=curvatures, info=ctx.info_with(**info), waiting=None,
+        rank_sizes=sizes, rank_share=local_n / global_n,
+    )
 
 
 def _in_agreed_order(statistics):

@@ -1,14 +1,20 @@
-"""What one tracked training step shares: its context, the statistics it asks for, and their computation.
+"""What one tracked training step shares: its plan, its context, the statistics it asks for, and their computation.
 
 The public API of custom quantities that read per-sample statistics: a quantity's
-``statistics(ctx)`` names what it needs (:data:`BATCH_L2`, :class:`Hist1d`, :class:`Projection`,
-...) and its ``compute`` reads the values from the :class:`StepContext` (``ctx.per_param``,
-``ctx.summed``).
+``statistics(plan)`` names what it needs (:data:`BATCH_L2`, :class:`Hist1d`, :class:`Projection`,
+...) from the step's :class:`StepPlan`, and its ``compute`` reads the values from the
+:class:`StepContext` (``ctx.per_param``, ``ctx.summed``).
+
+Data flows one way: the cockpit makes a step's :class:`StepPlan` before its backward pass (fixed
+from then on), the per-sample engine gives forms, :class:`StepStatistics` turns each micro-batch's
+forms into statistics, the cockpit makes the :class:`StepContext` once from them, and under
+``torch.distributed`` :func:`cockpit_fast.distributed.reduce_step` makes the global batch's
+context from it; quantities read the last.
 
 Quantities never read per-sample gradients themselves. Before the backward pass each one names
 the per-parameter *statistics* it needs (hashable keys, so two quantities asking for the same
-histogram or the same norms share one computation). After the backward pass
-:func:`collect_statistics` computes every requested statistic of every tracked parameter from
+histogram or the same norms share one computation). After each backward pass
+:class:`StepStatistics` computes every requested statistic of every tracked parameter from
 the per-sample engine's forms (:mod:`cockpit_fast.per_sample`): closed forms where a form has
 them (factors of Linear and convolution weights, embedding rows), else the fused ops over the
 per-sample gradients, formed a chunk of samples at a time. Every route gives the same results.
@@ -250,52 +256,8 @@ class Projection(Statistic):
         return form.dot(self.direction(hot))
 
 
-class StepContext:
-    """Everything one tracked step knows: step, parameters, user info and computed statistics.
-
-    Under ``torch.distributed`` (``group`` given), :func:`cockpit_fast.distributed.reduce_step`
-    turns what this rank saw into what the global batch gives before any quantity reads it: the
-    statistics, ``info``'s batch size, loss and individual losses, the mini-batch gradient and
-    the diagonal curvatures.
-
-    Args:
-        global_step (int): The step being tracked.
-        params (list[torch.Tensor]): The tracked parameters, in output order.
-        info (dict): What the user handed to ``cockpit(..., info=...)``.
-        group (optional): The process group this step's batch is combined over; None: this
-            process alone (no group, or no quantity reads the batch at this step).
-    """
-
-    def __init__(self, global_step, params, info, group=None):
-        self.global_step = global_step
-        self.params = params
-        self._info = info
-        self.group = group
-        self._index = {id(p): i for i, p in enumerate(params)}
-        self.requests = set()
-        self._results = defaultdict(dict)
-        self.local_batch_size = None  # samples of this rank, as the per-sample gradients have them
-        self.local_grads = {}  # index -> this rank's gradient of the step (its backward passes')
-        self.deferred = None  # StepStatistics whose statistics wait for the global gradient
-        self.extended_params = []  # every parameter BackPACK's extensions visited, tracked or not
-        self._global_grads = None
-        self._grad_l2_squared = None
-        self._curvatures = {}
-        self._micro_batch_norms = None
-        self.rank_share = 1.0  # N_r / N: the weight of this rank's means in the global batch's
-        self.rank_sizes = None  # every rank's batch size, once reduced
-        scaler = info.get("grad_scaler") if hasattr(info, "get") else None
-        # A GradScaler's scaled loss: its gradients times this are those of the loss itself.
-        self.unscale = 1.0 if scaler is None else 1.0 / float(scaler.get_scale())
-
-    def differentiable_grads(self):
-        """Gradients that still carry their graph (``create_graph=True``): ``param.grad``, or this
-        rank's own gradients under ``torch.distributed``. None where a parameter has none."""
-        if self.group is None:
-            grads = [p.grad for p in self.params]
-        else:
-            grads = [self.local_grads.get(i) for i in range(len(self.params))]
-        return [g if g is not None and g.grad_fn is not None else None for g in grads]
+class _InfoReader:
+    """Reads the ``info`` the user handed to ``cockpit(global_step, info=...)``."""
 
     def info(self, name, quantity):
         """The ``info`` entry ``name``; a KeyError names the entry and the quantity needing it."""
@@ -323,28 +285,112 @@ class StepContext:
             return int(self._info["individual_losses"].numel())
         return None
 
-    def replace_info(self, **entries):
-        """Replace ``info`` entries by their values for the global batch."""
-        self._info = {**self._info, **entries}
-
     def loss(self, quantity):
-        """The mini-batch loss from ``info['loss']``; it must be a scalar tensor."""
-        loss = self.info("loss", quantity)
-        if loss.numel() != 1:
-            raise ValueError(f"info['loss'] must be the scalar mini-batch loss, got shape {tuple(loss.shape)}")
-        return loss.detach().reshape(())
+        """The mini-batch loss from ``info['loss']`` as a 0-dim tensor."""
+        return self.info("loss", quantity).detach().reshape(())
+
+    def info_with(self, **entries):
+        """This step's ``info`` with ``entries`` replaced (a new dict)."""
+        return {**self._info, **entries}
+
+
+class StepPlan(_InfoReader):
+    """What a tracked step knows before its backward pass, fixed from then on: the step, the
+    parameters, the user's ``info``, the group its batch is combined over, and the statistics
+    each quantity asks for (asked once: a quantity may keep state of what it asked).
+
+    Args:
+        global_step (int): The step being tracked.
+        params (list[torch.Tensor]): The tracked parameters, in output order.
+        info (dict): What the user handed to ``cockpit(..., info=...)``.
+        group (optional): The process group this step's batch is combined over; None: this
+            process alone (no group, or no quantity reads the batch at this step).
+        quantities (list): The quantities, asked for their :meth:`statistics` of this step.
+    """
+
+    def __init__(self, global_step, params, info, group=None, quantities=()):
+        self.global_step, self.params, self.group = global_step, params, group
+        self._info = info
+        scaler = info.get("grad_scaler") if hasattr(info, "get") else None
+        # A GradScaler's scaled loss: its gradients times this are those of the loss itself.
+        self.unscale = 1.0 if scaler is None else 1.0 / float(scaler.get_scale())
+        self.statistics_of = {q: frozenset(q.statistics(self)) for q in quantities}
+        self.requests = frozenset().union(*self.statistics_of.values())
+
+
+class StepContext(_InfoReader):
+    """Everything one tracked step knows once its backward passes ran: the plan, the statistics,
+    the step's gradient; what quantities read. Made once by the cockpit after the backward
+    passes; under ``torch.distributed`` (``plan.group`` given),
+    :func:`cockpit_fast.distributed.reduce_step` makes the global batch's from it (the
+    statistics, ``info``'s batch size, loss and individual losses, the gradient, the diagonal
+    curvatures) before any quantity reads it.
+
+    Args:
+        plan (StepPlan): The step's plan.
+        results (dict): ``{statistic: {index: value}}`` computed.
+        local_grads (dict): ``{index: gradient}`` of this process's backward passes.
+        grads (list, optional): The step's gradient, one per parameter (the global batch's, or
+            this process's passes' before a trainer clips ``param.grad``); None: ``param.grad``.
+        local_batch_size (int, optional): This process's samples, as the per-sample gradients
+            have them.
+        info (dict, optional): ``info`` of the step where it differs from the plan's (entries
+            put together from micro-batches, or the global batch's).
+        waiting (StepStatistics, optional): Statistics that wait for the global gradient.
+        extended_params (list): Every parameter BackPACK's extensions visited, tracked or not.
+        micro_batch_norms (tuple, optional): See :meth:`micro_batch_norms`.
+        curvatures (dict, optional): ``{savefield: values}`` of the global batch.
+        rank_sizes (list, optional): Every rank's batch size, once reduced.
+        rank_share (float): ``N_r / N``: the weight of this rank's means in the global batch's.
+    """
+
+    def __init__(
+        self, plan, results=None, local_grads=None, grads=None, local_batch_size=None, info=None, waiting=None,
+        extended_params=(), micro_batch_norms=None, curvatures=None, rank_sizes=None, rank_share=1.0,
+    ):
+        self.plan = plan
+        self.global_step, self.params, self.group, self.unscale = plan.global_step, plan.params, plan.group, plan.unscale
+        self.requests = plan.requests
+        self._info = plan._info if info is None else info
+        self._results = {statistic: dict(values) for statistic, values in (results or {}).items()}
+        self.local_grads = dict(local_grads or {})
+        self._global_grads = grads
+        self.local_batch_size = local_batch_size
+        self.waiting = waiting
+        self.extended_params = list(extended_params)
+        self._micro_batch_norms = micro_batch_norms
+        self._curvatures = dict(curvatures or {})
+        self.rank_sizes, self.rank_share = rank_sizes, rank_share
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._grad_l2_squared = None
+
+    def reduced(self, **changes):
+        """A context like this one but for ``changes`` (constructor arguments)."""
+        fields = {
+            "results": self._results, "local_grads": self.local_grads, "grads": self._global_grads,
+            "local_batch_size": self.local_batch_size, "info": self._info, "waiting": self.waiting,
+            "extended_params": self.extended_params, "micro_batch_norms": self._micro_batch_norms,
+            "curvatures": self._curvatures, "rank_sizes": self.rank_sizes, "rank_share": self.rank_share,
+        }
+        return StepContext(self.plan, **{**fields, **changes})
+
+    def differentiable_grads(self):
+        """Gradients that still carry their graph (``create_graph=True``): ``param.grad``, or this
+        rank's own gradients under ``torch.distributed``. None where a parameter has none."""
+        if self.group is None:
+            grads = [p.grad for p in self.params]
+        else:
+            grads = [self.local_grads.get(i) for i in range(len(self.params))]
+        return [g if g is not None and g.grad_fn is not None else None for g in grads]
+
 
     def index_of(self, param):
         """Position of ``param`` among the tracked parameters, or None."""
         return self._index.get(id(param))
 
-    def store(self, statistic, index, value):
-        """Record ``statistic`` of the ``index``-th parameter."""
-        self._results[statistic][index] = value
-
     def results(self):
-        """``{statistic: {index: value}}`` of everything computed so far."""
-        return self._results
+        """``{statistic: {index: value}}`` of everything computed (a copy to change freely)."""
+        return {statistic: dict(values) for statistic, values in self._results.items()}
 
     def per_param(self, statistic):
         """``statistic`` of every tracked parameter, in parameter order."""
@@ -360,13 +406,6 @@ class StepContext:
     def summed(self, statistic):
         """``statistic`` summed over the tracked parameters."""
         return sum(self.per_param(statistic))
-
-    def set_global_grads(self, grads):
-        """The mini-batch gradients of the step's batch: the global batch's, from the distributed
-        reduction, or the sum of this process's backward passes (captured before a trainer
-        clips ``param.grad``)."""
-        self._global_grads = grads
-        self._grad_l2_squared = None
 
     def grads(self):
         """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
@@ -393,10 +432,6 @@ class StepContext:
             self._grad_l2_squared = sum((g**2).sum() for g in self.grads())
         return self._grad_l2_squared
 
-    def set_micro_batch_norms(self, sizes, squared_norms, step_squared_norms):
-        """Each micro-batch's size and squared gradient norms, and the step's, from the cockpit."""
-        self._micro_batch_norms = (sizes, squared_norms, step_squared_norms)
-
     def micro_batch_norms(self, quantity):
         """``(sizes, squared_norms, step_squared_norms)``: each micro-batch's number of samples,
         ``(k,)``, the squared norms of its gradient per tracked parameter, ``(k, P)``, in the
@@ -406,10 +441,6 @@ class StepContext:
         if self._micro_batch_norms is None:
             raise RuntimeError(f"{type(quantity).__name__}: the micro-batches' gradient norms were not kept at this step")
         return self._micro_batch_norms
-
-    def set_curvature(self, name, values):
-        """The diagonal curvature ``name`` of the global batch, from the distributed reduction."""
-        self._curvatures[name] = values
 
     def curvature(self, name):
         """The diagonal curvature BackPACK stored as ``name``, of every tracked parameter."""

@@ -96,7 +96,7 @@ def test_unknown_curvature_lists_the_options(name):
 
 def test_statistics_shared_by_quantities_are_computed_once():
     """GradHist1d twice with one setting and NormTest + OrthoTest share their statistics."""
-    from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, Hist1d, StepContext
+    from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, Hist1d, StepPlan
 
     every = lambda step: True  # noqa: E731
     tracked = [
@@ -105,10 +105,8 @@ def test_statistics_shared_by_quantities_are_computed_once():
         fast_quantities.NormTest(every),
         fast_quantities.OrthoTest(every),
     ]
-    ctx = StepContext(0, [], {})
-    for q in tracked:
-        ctx.requests.update(q.statistics(ctx))
-    assert ctx.requests == {Hist1d(100, (-2, 2)), BATCH_L2, DOT_MEAN_GRAD}
+    plan = StepPlan(0, [], {}, quantities=tracked)
+    assert plan.requests == {Hist1d(100, (-2, 2)), BATCH_L2, DOT_MEAN_GRAD}
 
 
 def _spiked_run(cockpit_cls, q, s, make, route="auto"):

@@ -86,6 +86,8 @@ def curvature_step(quantity_list, extended):
     loss_fn = torch.nn.CrossEntropyLoss()
     if extended == "the loss function":
         loss_fn = extend(loss_fn)
+    if extended == "the model":
+        model = extend(model)
     cockpit = Cockpit(model.parameters(), quantities=quantity_list)
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
     training_step(model, None, batch(), individual_loss_fn, loss_fn=loss_fn, cockpit=cockpit, quiet=True)
@@ -101,3 +103,9 @@ def test_a_curvature_without_backpack_extend_names_the_quantity_and_the_fix(name
 def test_the_business_configuration_without_backpack_extend_says_to_extend():
     with pytest.raises(ValueError, match=r"needs BackPACK's DiagHessian.*backpack\.extend\(model\) and backpack\.extend\(loss_fn\)"):
         curvature_step(configuration("business"), "nothing")
+
+
+def test_a_curvature_from_a_loss_backpack_did_not_extend_says_to_extend_it():
+    # BackPACK's own error: "expects a backpropagation quantity but it is None", from inside.
+    with pytest.raises(ValueError, match=r"^HessTrace, TICDiag need BackPACK's curvatures.*extend\(nn\.CrossEntropyLoss\(\)\)"):
+        curvature_step(configuration("business"), "the model")

@@ -72,7 +72,8 @@ class FastQuantity:
         return False
 
     def statistics(self, ctx):
-        """Per-parameter statistics the hook must compute at ``ctx.global_step``."""
+        """Per-parameter statistics the hook must compute at ``ctx.global_step`` (``ctx``: the
+        step's :class:`~cockpit_fast.statistics.StepPlan`, asked once a step)."""
         return set()
 
     def extensions(self, global_step):
