@@ -227,3 +227,24 @@ def test_a_forward_pass_before_the_block_that_needs_losses_gets_them_from_micro_
     with pytest.raises(ValueError, match=r"need every sample's own loss"):
         with cockpit(1, info={"batch_size": 8}):
             losses.mean().backward()
+
+
+def test_a_grad_scalers_scale_is_divided_out_of_every_micro_batch():
+    steps = _batches([5, 3], steps=2, seed=8)
+    tracked = lambda: [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.GradHist1d(EVERY), quantities.GradNorm(EVERY)]  # noqa: E731
+    outputs = []
+    for scaled in (False, True):
+        model = _model()
+        cockpit = Cockpit(list(model.parameters()), quantities=tracked())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+        for step, parts in enumerate(steps):
+            model.zero_grad()
+            info = {"batch_size": 8, **({"grad_scaler": scaler} if scaled else {})}
+            with cockpit(step, info=info) as micro:
+                for x, y in parts:
+                    losses = F.cross_entropy(model(x), y, reduction="none")
+                    loss = losses.sum() / 8
+                    micro.micro_batch(individual_losses=losses, loss=loss)  # the loss before scaling
+                    (scaler.scale(loss) if scaled else loss).backward()
+        outputs.append(cockpit.get_output())
+    _assert_same_output(outputs[1], outputs[0], rel=1e-5)

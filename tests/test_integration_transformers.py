@@ -151,3 +151,43 @@ def test_a_model_that_takes_no_token_count_is_divided_by_the_steps_micro_batches
     assert sorted(output) == [0, 1, 2, 3]
     for step, row in output.items():  # the trainer logs after its step: step + 1
         assert row["Loss"] == pytest.approx(logged[step + 1], rel=1e-3), step
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """Token sequences with a class label each."""
+
+    def __init__(self, count=SEQUENCES, classes=3, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, VOCAB, (count, TOKENS), generator=gen)
+        self.labels = torch.randint(0, classes, (count,), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, n):
+        return {"input_ids": self.ids[n], "labels": self.labels[n]}
+
+
+def test_a_sequence_classifier_gets_each_samples_loss_from_its_logits(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=TOKENS, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertForSequenceClassification(config)
+    twin = copy.deepcopy(model).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES // 2, gradient_accumulation_steps=2,
+        max_steps=1, learning_rate=1e-2, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        logging_strategy="no", seed=0,
+    )
+    callback = CockpitCallback(tracked)
+    data = _Labelled()
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    params = [p for p in twin.parameters() if p.requires_grad]
+    losses_of = lambda m, ids, labels: F.cross_entropy(m(ids).logits, labels, reduction="none")  # noqa: E731
+    g = flat(oracle_grads(twin, params, losses_of, data.ids, data.labels))
+    output = callback.cockpit.get_output()[0]
+    for name, value in gradient_tests(g).items():
+        assert output[name] == pytest.approx(value, rel=1e-4), name
