@@ -191,3 +191,21 @@ def test_a_sequence_classifier_gets_each_samples_loss_from_its_logits(tmp_path):
     output = callback.cockpit.get_output()[0]
     for name, value in gradient_tests(g).items():
         assert output[name] == pytest.approx(value, rel=1e-4), name
+
+
+def test_the_numbers_reach_the_trainers_tensorboard(tmp_path, monkeypatch):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # where the trainer's TensorBoard writes
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-2, use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+        report_to=["tensorboard"],
+    )
+    callback = CockpitCallback([quantities.NormTest(EVERY), quantities.GradNorm(EVERY)])
+    transformers.Trainer(model=_gpt2(), args=args, train_dataset=_Sequences(), callbacks=[callback]).train()
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    norm_test = events.Scalars("train/cockpit/NormTest")  # the trainer files its logs under train/
+    assert [event.step for event in norm_test] == [1, 2]  # the trainer's steps, as its loss
+    assert norm_test[1].value == pytest.approx(callback.cockpit.get_output()[1]["NormTest"], rel=1e-5)
+    assert "train/cockpit/GradNorm/all" in events.Tags()["scalars"]
