@@ -4,6 +4,7 @@ import contextlib
 import os
 import warnings
 from collections import Counter, defaultdict
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -518,16 +519,14 @@ class _TrackedBackward:
         self._curvature_names = [e.savefield for e in extensions if e.savefield in CURVATURE_EXTENSIONS]
         self._keep_graph = cockpit.create_graph(step)
         self._reads_micro = any(q.reads_micro_batches(step) for q in cockpit.quantities)
-        self._micro_norms = []  # (samples, squared norm per parameter) of each ended micro-batch
         self._grads = None  # GradientCapture: the step's gradients, pass by pass
         self._pass = None  # the engine's pass of the micro-batch under way
-        self._given = None  # (individual losses, loss, their weight) of the micro-batch under way
-        self._ended = []  # that of every micro-batch whose backward pass ended
+        self._given = _MicroBatch()  # what the micro-batch under way (or the step's one pass) told
+        self._ended = []  # the _MicroBatch of every backward pass that ended
         self._total = {}  # {index: gradient} of the ended backward passes
         self._statistics = None
         self._micro = False  # micro_batch() started the passes
         self._unplanned = None  # why the pass begun at entry could not be planned (no losses)
-        self._size = None  # samples of the micro-batch under way, where told
         self._extended = []  # every parameter BackPACK's extensions visited, tracked or not
         self._open = False
         kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
@@ -554,7 +553,8 @@ class _TrackedBackward:
             self._statistics = StepStatistics(
                 cockpit.params, plan.requests, cockpit.per_sample_route, size, cockpit.max_kept_bytes
             )
-            self._begin(plan.given("individual_losses"), plan.given("loss"), micro=False)
+            weight = self._begin(plan.given("individual_losses"), plan.given("loss"), micro=False)
+            self._given = _MicroBatch(plan.given("individual_losses"), plan.given("loss"), weight)
         if plan.group is not None or plan.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
             self._grads = GradientCapture(
                 cockpit.params, self._keep_graph, copy=plan.group is not None or cockpit.capture_grads
@@ -611,11 +611,9 @@ class _TrackedBackward:
         self._unplanned = None
         self._refuse_uncombined()
         self._micro = True
-        if plan.requests:
-            self._begin(individual_losses, loss, micro=True)
-        else:
-            self._given = (individual_losses, loss, None)
-        self._size = individual_losses.numel() if individual_losses is not None else batch_size
+        weight = self._begin(individual_losses, loss, micro=True) if plan.requests else None
+        size = individual_losses.numel() if individual_losses is not None else batch_size
+        self._given = _MicroBatch(individual_losses, loss, weight, size)
 
     def _refuse_uncombined(self):
         """What is not combined over micro-batches yet: a clear error on the second."""
@@ -630,7 +628,8 @@ class _TrackedBackward:
             )
 
     def _begin(self, losses, loss, micro):
-        """Let the engine plan the per-sample gradients of the backward pass to come."""
+        """Let the engine plan the per-sample gradients of the backward pass to come; returns
+        how that pass weighs each sample's loss."""
         cockpit, plan = self._cockpit, self._plan
         calls = cockpit._engine.capture.calls()
         # The engine's own backward passes before the user's keep what BackPACK stored in
@@ -657,7 +656,7 @@ class _TrackedBackward:
                 if micro or losses is not None:
                     raise
                 self._unplanned = error  # a forward pass that needs losses: micro_batch() may hand them in yet
-        self._given = (losses, loss, weight)
+        return weight
 
     def _end_pass(self, last):
         """After a micro-batch's backward pass: its gradients and per-sample statistics."""
@@ -682,12 +681,14 @@ class _TrackedBackward:
             grads = {index: g.clone() for index, g in grads.items()}
         for index, grad in grads.items():
             self._total[index] = grad if index not in self._total else self._total[index] + grad
-        if self._reads_micro:
-            self._micro_norms.append((self._size, [grads[i].double().square().sum() if i in grads else None for i in range(len(plan.params))]))
         if self._pass is not None:
             step, self._pass = self._pass, None
             keyed = {id(plan.params[index]): grad for index, grad in grads.items()}
             self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale))
+        if self._reads_micro:
+            self._given = self._given._replace(
+                squared_norms=[grads[i].double().square().sum() if i in grads else None for i in range(len(plan.params))]
+            )
         self._ended.append(self._given)
 
     def __exit__(self, exc_type, exc, traceback):
@@ -736,7 +737,7 @@ class _TrackedBackward:
         grads = [local_grads[i].detach() for i in range(len(plan.params))] if plan.group is None and complete else None
         stats = self._statistics
         info = _combined_info(plan, self._ended, None if stats is None else stats.samples) if self._micro else None
-        norms = _micro_batch_norms(self._micro_norms, plan, local_grads) if self._reads_micro else None
+        norms = _micro_batch_norms(self._ended, plan, local_grads) if self._reads_micro else None
         step = {"local_grads": local_grads, "grads": grads, "info": info, "micro_batch_norms": norms,
                 "extended_params": self._extended}
         if stats is None:
@@ -768,6 +769,16 @@ class _TrackedBackward:
         return ctx, skipped
 
 
+class _MicroBatch(NamedTuple):
+    """What one backward pass of a step was told, and gave."""
+
+    losses: Optional[torch.Tensor] = None  # its samples' own losses, where handed in
+    loss: Optional[torch.Tensor] = None  # the loss it ran on, where handed in
+    weight: Optional[float] = None  # how it weighs each sample's loss (None: no losses)
+    size: Optional[int] = None  # its samples, where told
+    squared_norms: Optional[list] = None  # its gradient's, per parameter (the noise scale's)
+
+
 @contextlib.contextmanager
 def _then(action):
     """Runs ``action`` (if any) on leaving the block, however it is left."""
@@ -797,20 +808,20 @@ def _weight_of_each_sample(losses, loss, batch_size):
     return 1.0 / batch_size
 
 
-def _micro_batch_norms(norms, plan, local_grads):
-    """``(sizes, squared norms, the step's)`` of the micro-batches (``StepContext.micro_batch_norms``)."""
-    if len(norms) == 1 and norms[0][0] is None:  # the step's one backward pass
-        norms = [(plan.given_batch_size() or 0, norms[0][1])]
-    if any(size is None for size, _ in norms):
+def _micro_batch_norms(ended, plan, local_grads):
+    """``(sizes, squared norms, the step's)`` of the micro-batches ``ended``
+    (``StepContext.micro_batch_norms``)."""
+    sizes = [plan.given_batch_size() or 0] if len(ended) == 1 and ended[0].size is None else [m.size for m in ended]
+    if any(size is None for size in sizes):
         raise ValueError(
             "the gradient noise scale from micro-batches needs each micro-batch's size: "
             "tracked.micro_batch(individual_losses=...) or tracked.micro_batch(batch_size=...)"
         )
     device = plan.params[0].device
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    squared = torch.stack([torch.stack([zero if v is None else v for v in values]) for _, values in norms])
+    squared = torch.stack([torch.stack([zero if v is None else v for v in m.squared_norms]) for m in ended])
     step = torch.stack([local_grads[i].double().square().sum() if i in local_grads else zero for i in range(len(plan.params))])
-    return torch.tensor([size for size, _ in norms], dtype=torch.float64, device=device), squared, step
+    return torch.tensor(sizes, dtype=torch.float64, device=device), squared, step
 
 
 def _combined_info(plan, ended, samples):
@@ -821,10 +832,10 @@ def _combined_info(plan, ended, samples):
     if not plan.has_info("batch_size") and samples:
         entries["batch_size"] = samples
     n = int(plan.given("batch_size")) if plan.has_info("batch_size") else entries.get("batch_size")
-    if all(losses is not None and weight is not None for losses, _, weight in ended) and n:
-        entries["individual_losses"] = torch.cat([losses.detach().reshape(-1) * (n * weight) for losses, _, weight in ended])
-    if not plan.has_info("loss") and all(loss is not None for _, loss, _ in ended):
-        entries["loss"] = sum(loss.detach().reshape(()) for _, loss, _ in ended)
+    if all(m.losses is not None and m.weight is not None for m in ended) and n:
+        entries["individual_losses"] = torch.cat([m.losses.detach().reshape(-1) * (n * m.weight) for m in ended])
+    if not plan.has_info("loss") and all(m.loss is not None for m in ended):
+        entries["loss"] = sum(m.loss.detach().reshape(()) for m in ended)
     return plan.info_with(**entries)
 
 

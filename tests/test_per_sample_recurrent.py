@@ -200,15 +200,9 @@ class FinalStateLSTMClassifier(nn.Module):
         return self.head(self.lstm(self.embedding(ids))[1][0][-1])
 
 
-class PackedGRUClassifier(nn.Module):
-    """Embedding, a GRU over sequences of unequal lengths (id 0 pads), packed unsorted, a head
-    on each sample's mean output."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.gru = nn.GRU(WIDTH, 6, batch_first=True)
-        self.head = nn.Linear(6, CLASSES)
+class PackedGRUClassifier(GRUClassifier):
+    """The GRU classifier over sequences of unequal lengths (id 0 pads), packed unsorted, its
+    head on each sample's mean output."""
 
     def forward(self, ids):
         lengths = (ids != 0).sum(1)

@@ -97,10 +97,10 @@ class ScalarForwarder(CockpitLogger):
             self._forward(step, scalars)
 
 
-def latest_scalars(cockpit, per_parameter=False):
-    """``{tag: number}`` of each quantity's latest value (Alpha's and UpdateSize's come one step
-    later than the others'), tagged as :mod:`cockpit_fast.loggers` tags them."""
-    output = cockpit.recent_output()
+def latest_scalars(cockpit, output, per_parameter=False):
+    """``{tag: number}`` of each quantity's latest value in ``output`` (the cockpit's recent
+    rows: Alpha's and UpdateSize's come one step later than the others'), tagged as
+    :mod:`cockpit_fast.loggers` tags them."""
     latest = {}
     for step in sorted(output, reverse=True):
         for name, value in output[step].items():

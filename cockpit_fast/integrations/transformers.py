@@ -101,11 +101,12 @@ class CockpitCallback(TrainerCallback):
         # this callback does: the cockpit's numbers follow as a log of their own).
         if self._logging or self._trainer is None or self.cockpit is None:
             return
-        newest = max(self.cockpit.recent_output(), default=None)
+        output = self.cockpit.recent_output()
+        newest = max(output, default=None)
         if newest is None or newest == self._logged_through:  # nothing tracked since (the run's summary)
             return
         self._logged_through = newest
-        scalars = latest_scalars(self.cockpit, self.per_parameter)
+        scalars = latest_scalars(self.cockpit, output, self.per_parameter)
         if scalars:
             self._logging = True
             try:

@@ -431,19 +431,27 @@ class SummedGrads(PerSampleGrads):
         return None if any(v is None for v in values) else sum(values)
 
 
-class ScaledGrads(PerSampleGrads):
-    """``factor`` times another form's gradients: a ``GradScaler``'s scale divided out of those
-    of a scaled loss's backward pass. Every statistic is the inner form's, rescaled."""
+class _Wrapped(PerSampleGrads):
+    """The per-sample gradients of another ``form``, changed sample by sample."""
 
     FRESH_RANGES = True
 
-    def __init__(self, form, factor):
-        self.form, self.factor = form, factor
+    def __init__(self, form):
+        self.form = form
         self.batch_size, self.shape = form.batch_size, form.shape
 
     @property
     def formed_per_sample(self):
         return self.form.formed_per_sample
+
+
+class ScaledGrads(_Wrapped):
+    """``factor`` times another form's gradients: a ``GradScaler``'s scale divided out of those
+    of a scaled loss's backward pass. Every statistic is the inner form's, rescaled."""
+
+    def __init__(self, form, factor):
+        super().__init__(form)
+        self.factor = factor
 
     @cached_property
     def grad(self):
@@ -478,20 +486,14 @@ def _rescaled(value, factor):
     return None if value is None else value * factor
 
 
-class HookedGrads(PerSampleGrads):
+class HookedGrads(_Wrapped):
     """The per-sample gradients after the user's hooks on the parameter (``param.register_hook``:
     a pruning mask, a clip), applied to each sample's gradient, as autograd applies them to the
     mini-batch gradient and gradient-metrics to each sample's."""
 
     def __init__(self, form, hooks):
-        self.form, self.hooks = form, hooks
-        self.batch_size, self.shape = form.batch_size, form.shape
-
-    @property
-    def formed_per_sample(self):
-        return self.form.formed_per_sample
-
-    FRESH_RANGES = True
+        super().__init__(form)
+        self.hooks = hooks
 
     def dense_range(self, start, stop):
         g = self.form.dense_range(start, stop)
