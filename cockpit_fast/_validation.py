@@ -32,6 +32,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from cockpit_fast._limits import MAX_BINS, MAX_P_VALUES
+from cockpit_fast.fsdp import is_sharded
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -44,6 +45,11 @@ def accumulation_dtype(dtype):
 def check_tensor(op, t, name):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"cockpit_fast.{op}: {name} must be a tensor, got {type(t).__name__}")
+    if is_sharded(t):  # no sharding strategy: the statistic of a shard is not that of the tensor
+        raise ValueError(
+            f"cockpit_fast.{op}: {name} is a DTensor (placements {tuple(t.placements)}): the op computes on plain "
+            f"tensors; pass {name}.full_tensor(), or {name}.to_local() for this rank's shard alone"
+        )
 
 
 def _is_0d_tensor(value, kinds):

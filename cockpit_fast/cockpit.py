@@ -16,6 +16,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit_fast.statistics import ROUTES, StepContext, StepPlan, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, resolve_group
+from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
 from cockpit_fast.log_stream import LogStream, read_log, write_log
 from cockpit_fast.loggers import parameter_names
 from cockpit_fast.per_sample import Engine
@@ -98,6 +99,8 @@ class Cockpit:
         max_kept_bytes=None, logpath=None,
     ):
         self.params = _trainable(params)
+        refuse_fsdp1(self.params)
+        self._unsharded = Unsharded(self.params)  # FSDP2's: the tensors the shards are computed with
         self.max_kept_bytes = max_kept_bytes
         self.process_group = resolve_group(process_group)
         self.log_all_ranks = log_all_ranks
@@ -130,7 +133,7 @@ class Cockpit:
             )
         self.quantities.append(quantity)
         if quantity.NEEDS_CALLS and self._engine is None:
-            self._engine = Engine(self.params)  # watches from the next forward pass on
+            self._engine = Engine(self.params, self._unsharded)  # watches from the next forward pass on
 
     def routes(self):
         """``{parameter name: route}``: how the last step with per-sample statistics got each
@@ -546,6 +549,11 @@ class _TrackedBackward:
 
     def __enter__(self):
         cockpit, plan = self._cockpit, self._plan
+        if cockpit._unsharded.active and self._extensions:
+            raise ValueError(
+                f"{_needing(self._extensions, self._requested_by)} BackPACK's extensions, which do not run on parameters "
+                "FSDP2 shards (fully_shard): track them without sharding, or track first-order quantities"
+            )
         _check_curvature_support(cockpit._engine, self._extensions, self._requested_by)
         if plan.requests:
             _refuse_earlier_gradients(cockpit.params)
@@ -557,7 +565,8 @@ class _TrackedBackward:
             self._given = _MicroBatch(plan.given("individual_losses"), plan.given("loss"), weight)
         if plan.group is not None or plan.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
             self._grads = GradientCapture(
-                cockpit.params, self._keep_graph, copy=plan.group is not None or cockpit.capture_grads
+                cockpit.params, self._keep_graph, copy=plan.group is not None or cockpit.capture_grads,
+                unsharded=cockpit._unsharded,
             )
         for context in self._contexts:
             context.__enter__()
@@ -944,11 +953,17 @@ def _check_curvature_support(engine, extensions, requested_by):
         for call in engine.capture.calls():
             for leaf in call.module.modules():
                 if next(leaf.parameters(recurse=False), None) is not None and type(leaf) not in supported:
-                    names = ", ".join(requested_by.get(type(ext), [type(ext).__name__]))
                     raise ValueError(
-                        f"{names} need{'s' if ', ' not in names else ''} BackPACK's {type(ext).__name__}, which does not support "
+                        f"{_needing([ext], requested_by)} BackPACK's {type(ext).__name__}, which does not support "
                         f"{type(leaf).__name__} ({leaf}): track it on models of layers BackPACK knows"
                     )
+
+
+def _needing(extensions, requested_by):
+    """Who asks for ``extensions``, with the verb: ``TICDiag needs``, ``HessTrace, TICDiag need``
+    (an extension's own name where the user asked for it)."""
+    names = sorted({name for e in extensions for name in requested_by.get(type(e), [type(e).__name__])})
+    return f"{', '.join(names)} need{'s' if len(names) == 1 else ''}"
 
 
 def _in_turn(hooks):

@@ -61,12 +61,15 @@ class GradientCapture:
         keep_graph (bool): Keep the gradient's graph (for Hessian-vector products).
         copy (bool): Keep a copy (DistributedDataParallel changes the gradient in place), not
             the tensor autograd hands on. Defaults to ``True``.
+        unsharded (cockpit_fast.fsdp.Unsharded, optional): Where FSDP2 shards the parameters,
+            the tensors the graph holds for them: their gradients, full-size, are the rank's.
     """
 
-    def __init__(self, params, keep_graph, copy=True):
+    def __init__(self, params, keep_graph, copy=True, unsharded=None):
         self.grads = {}
         self._tasks = set()  # the backward passes (autograd graph tasks) that reached a parameter
-        self._keepers = [(p, self._keeper(i, keep_graph, copy)) for i, p in enumerate(params)]
+        in_graph = params if unsharded is None else [unsharded.in_graph(p) for p in params]
+        self._keepers = [(g, self._keeper(i, keep_graph, copy, p.dtype)) for i, (g, p) in enumerate(zip(in_graph, params))]
         self._handles = []
         self.attach()
 
@@ -79,9 +82,11 @@ class GradientCapture:
         """How many backward passes reached a tracked parameter since the last :meth:`take`."""
         return len(self._tasks)
 
-    def _keeper(self, index, keep_graph, copy):
+    def _keeper(self, index, keep_graph, copy, dtype):
         def keep(grad):
             self._tasks.add(torch._C._current_graph_task_id())
+            if grad.dtype != dtype:  # FSDP2's bf16 compute: in the parameter's dtype, as FSDP2 reduces it
+                grad = grad.to(dtype)
             kept = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
             self.grads[index] = kept if index not in self.grads else self.grads[index] + kept
 
@@ -154,7 +159,7 @@ def reduce_step(ctx, curvature_names=()):
     parts = []
     for index, p in enumerate(params):
         grad = ctx.local_grads.get(index)  # None: the parameter got no gradient on this rank
-        parts.append(local_n * (grad.detach() if grad is not None else torch.zeros_like(p)))
+        parts.append(local_n * (grad.detach() if grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)))
     parts += [local_n**s.sample_power * results[s][i] for s, i in summed]
     parts += [local_n * getattr(p, name).detach() for name in curvature_names for p in params]
     if has_loss:

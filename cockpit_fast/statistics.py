@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
+from cockpit_fast.fsdp import full, is_sharded
 from cockpit_fast.per_sample.grads import held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
@@ -82,6 +83,9 @@ class Statistic:
     sample_power = 0
     """k such that it is in units of ``(1/N)^k`` through ``grad_batch = ∇ℓ_n / N``: what the
     batch size of one rank is exchanged for the global one with."""
+
+    reads_param = False
+    """Whether it reads the parameter's values (under FSDP2, gathered from the shards first)."""
 
     uses_mean_grad = False
     """Whether it reads the mini-batch gradient, which under ``torch.distributed`` is known only
@@ -220,6 +224,8 @@ class Hist2d(Statistic):
     bins: tuple
     range: tuple
 
+    reads_param = True
+
     def from_grad_batch(self, hot):
         return ops.hist2d(hot.grad_batch, hot.param.detach(), self.bins, self.range, scale=hot.batch_size)
 
@@ -236,13 +242,14 @@ class Projection(Statistic):
 
     ``direction(hot)`` returns the direction for one :class:`HotParameter`; two projections are
     the same computation when owner and label agree. ``uses_mean_grad``: whether the direction
-    is built from ``hot.grad``.
+    is built from ``hot.grad``; ``reads_param``: from ``hot.param``.
     """
 
     owner: object
     label: str
     direction: Callable = field(compare=False, repr=False)
     uses_mean_grad: bool = field(default=False, compare=False)
+    reads_param: bool = field(default=False, compare=False)
     reduction = "per_sample"
     sample_power = 1
 
@@ -509,7 +516,16 @@ class StepStatistics:
                 self.dropped = True
 
     def _compute(self, found, statistics, batch_size, grads=None):
-        for index, param, form in found:
+        gathers = any(s.reads_param for s in statistics)
+        forms = {index: form for index, _, form in found}
+        for index, param in enumerate(self.params):
+            if gathers and is_sharded(param):
+                # FSDP2's shard: the statistic reads every value. Every rank gathers each layer in
+                # turn, whichever its own samples reached (a collective all join in one order).
+                param = full(param.detach())
+            if index not in forms:
+                continue
+            form = forms[index]
             grad = None if grads is None else grads[index]
             values = compute_statistics(index, param, form, statistics, grad, self.route, batch_size=batch_size)
             for statistic, value in values.items():

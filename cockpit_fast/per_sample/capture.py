@@ -20,6 +20,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
 
+from cockpit_fast.fsdp import Unsharded
 from cockpit_fast.per_sample import parametrized, rules, shared
 from cockpit_fast.per_sample.generic import ModuleVjpGrads, replay_grads
 from cockpit_fast.per_sample.grads import HookedGrads, combine
@@ -55,6 +56,7 @@ class Call:
             self.batch_size = int(packed[0].batch_sizes[0])
         else:
             self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
+        self.values = params  # what a replay computes with: the tensors the call used
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's
@@ -111,7 +113,7 @@ class Call:
             _replaying[0] += 1
             try:
                 values = replay_grads(
-                    self.module, self.params, self.args, self.kwargs,
+                    self.module, self.values, self.args, self.kwargs,
                     [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
                     self.sample_dim, self.batch_size, start, stop,
                 )
@@ -170,10 +172,13 @@ class Capture:
 
     Args:
         params (list[torch.Tensor]): The tracked parameters.
+        unsharded (Unsharded, optional): The tensors FSDP2 computes the tracked parameters
+            with, where it shards them (by default found here).
     """
 
-    def __init__(self, params):
+    def __init__(self, params, unsharded=None):
         self._tracked = {id(p): p for p in params}
+        self.unsharded = Unsharded(params) if unsharded is None else unsharded
         self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
@@ -266,6 +271,9 @@ class Capture:
             time_first = True
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
+        if self.unsharded.active and call.needs_replay():
+            # FSDP2 frees the unsharded values after the pass: a replay keeps its own (norms' weights, mostly).
+            call.values = {name: module.get_parameter(name).detach().clone() for name in params}
         if outputs[0].grad_fn is not None:  # found there if the call turns out shared by every sample
             outputs[0].grad_fn.metadata.setdefault(shared.CALL_TAG, []).append(weakref.ref(call))
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
@@ -301,12 +309,15 @@ class Capture:
         return [token.module for token in self._mixing]
 
     def _owned_by(self, module):
+        """``[(name, owner, tracked parameter)]`` of the tracked parameters ``module`` holds
+        (under FSDP2, the unsharded tensors it holds while it runs stand for them)."""
         if module not in self._owned:
             self._owned[module] = [
-                (name, owner, p)
+                (name, owner, tracked)
                 for owner_name, owner in module.named_modules(remove_duplicate=False)
                 for short, p in owner.named_parameters(recurse=False)
-                if id(p) in self._tracked
+                for tracked in [self._tracked[id(p)] if id(p) in self._tracked else self.unsharded.tracked(p)]
+                if tracked is not None
                 for name in [f"{owner_name}.{short}" if owner_name else short]
             ]
         return self._owned[module]

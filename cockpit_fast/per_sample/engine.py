@@ -45,16 +45,18 @@ class Engine:
     Args:
         params (list[torch.Tensor]): The tracked parameters. Its capture watches module calls
             from now on.
+        unsharded (cockpit_fast.fsdp.Unsharded, optional): The tensors FSDP2 computes them
+            with, where it shards them (by default found by the capture).
     """
 
-    def __init__(self, params):
+    def __init__(self, params, unsharded=None):
         self.params = list(params)
         if torch._functorch.config.donated_buffer:
             # The engine's own backward passes keep the graph, which a backward compiled with
             # donated buffers refuses: compile without them, and again what was compiled with.
             torch._functorch.config.donated_buffer = False
             torch._dynamo.reset()
-        self.capture = Capture(self.params)
+        self.capture = Capture(self.params, unsharded)
         self._checked = weakref.WeakSet()  # modules whose calls took the checks
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
@@ -165,15 +167,16 @@ class Engine:
         losses = _sample_losses(losses)
         step = self.begin(losses, scale)
         tracked = [p for p in self.params if p.requires_grad]
+        inputs = self._in_graph(tracked)
         if not step.armed:
             if not retain_graph:  # free it as a last backward pass would
-                with user_hooks_set_aside(tracked):
-                    torch.autograd.grad(losses, tracked, torch.zeros_like(losses), allow_unused=True)
+                with user_hooks_set_aside(inputs):
+                    torch.autograd.grad(losses, inputs, torch.zeros_like(losses), allow_unused=True)
             return step.forms
         try:
-            with user_hooks_set_aside(tracked):
+            with user_hooks_set_aside(inputs):
                 grads = torch.autograd.grad(
-                    losses, tracked, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
+                    losses, inputs, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
                 )
         except BaseException:
             self.end(step, failed=True)
@@ -192,15 +195,16 @@ class Engine:
         forms of the first, the rest take the whole graph. Calls that fail as made once for
         every sample are checked again taken apart where their output is broadcast."""
         weights = torch.full_like(losses, scale)
+        inputs = self._in_graph(tracked)
         for attempt in range(2):
             self.capture.arm()  # (reading the user's hooks, applied to each sample's gradient)
             try:
-                with user_hooks_set_aside(tracked):  # the engine's own passes are not the user's step
-                    grads = torch.autograd.grad(losses, tracked, weights, retain_graph=True, allow_unused=True)
+                with user_hooks_set_aside(inputs):  # the engine's own passes are not the user's step
+                    grads = torch.autograd.grad(losses, inputs, weights, retain_graph=True, allow_unused=True)
             finally:
                 found, fired = self.capture.disarm()
-            with user_hooks_set_aside(tracked):
-                mixed = mixed_calls(self.capture, losses, tracked, weights, reference=fired)
+            with user_hooks_set_aside(inputs):
+                mixed = mixed_calls(self.capture, losses, inputs, weights, reference=fired)
             unsure = [c for c in calls if not c.shared and (c in mixed or c.batch_size != batch_size)]
             if attempt or not unsure:
                 break
@@ -287,7 +291,13 @@ class Engine:
             return {}
         self._warn_once(needs)
         params = [p for p in tracked if id(p) in needs]
-        return whole_graph_grads(losses, params, scale)
+        inputs = self._in_graph(params)
+        forms = whole_graph_grads(losses, inputs, scale)
+        return {id(p): forms[id(g)] for p, g in zip(params, inputs)}
+
+    def _in_graph(self, params):
+        """The tensors the graph holds for ``params`` (under FSDP2 the unsharded ones)."""
+        return [self.capture.unsharded.in_graph(p) for p in params]
 
     def _sums_wrong(self, forms, grads):
         """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``)."""

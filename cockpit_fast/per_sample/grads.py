@@ -243,7 +243,8 @@ class FactoredGrads(PerSampleGrads):
         if not self.is_outer_product:
             return None
         weight = self._as_matrix(param.detach())
-        return ops.outer_hist2d(self.left[:, 0], self.right[:, 0], weight, bins, range, scale)
+        left, right = _read_against(self.left[:, 0], weight), _read_against(self.right[:, 0], weight)
+        return ops.outer_hist2d(left, right, weight, bins, range, scale)
 
     def stats(self, p_values):
         if not self.is_outer_product:
@@ -388,10 +389,11 @@ class RowGrads(PerSampleGrads):
         # Touched rows against their parameter rows, plus zeros against every row of every
         # sample except the touched ones.
         param = param.detach()
+        rows = _read_against(self.rows, param)
         touched_params = param[self.indices]
-        touched = ops.hist2d(self.rows.unsqueeze(0), touched_params, bins, range, scale)
+        touched = ops.hist2d(rows.unsqueeze(0), touched_params, bins, range, scale)
         all_zero = ops.hist2d(param.new_zeros(1, *self.shape), param, bins, range, scale)
-        touched_zero = ops.hist2d(self.rows.new_zeros(1, *touched_params.shape), touched_params, bins, range, scale)
+        touched_zero = ops.hist2d(rows.new_zeros(1, *touched_params.shape), touched_params, bins, range, scale)
         return touched + self.batch_size * all_zero - touched_zero
 
 
@@ -480,6 +482,12 @@ class ScaledGrads(_Wrapped):
 
     def hist2d(self, param, bins, range, scale):
         return self.form.hist2d(param, bins, range, scale * self.factor)
+
+
+def _read_against(t, param):
+    """``t`` formed in a layer's compute dtype (autocast's, FSDP2's bf16 parameters) in the
+    dtype of the parameter whose values a histogram reads beside it."""
+    return t.to(param.dtype) if t.dtype != param.dtype and param.is_floating_point() else t
 
 
 def _rescaled(value, factor):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from cockpit_fast import ops
+from cockpit_fast.fsdp import full
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
 from cockpit_fast.quantities.quantity import (
@@ -56,7 +57,7 @@ class Alpha(FastQuantity):
         wanted = set()
         start = self._starts.get(step - self.SAVE_SHIFT) if self.is_end(step) else None
         if start is not None and start.observation is not None:
-            wanted.add(Projection(self, "end", start.direction))
+            wanted.add(Projection(self, "end", start.direction, reads_param=not start.sgd))
             if not start.sgd:  # the start's kept individual gradients, on the update now known
                 wanted.add(self._kept_projection(start))
         if self.is_start(step):
@@ -67,7 +68,7 @@ class Alpha(FastQuantity):
 
     def _kept_projection(self, start):
         """Projections of the start's kept individual gradients on the update, known at the end."""
-        return _KeptProjection(self, "kept", start.direction, start=start)
+        return _KeptProjection(self, "kept", start.direction, reads_param=True, start=start)
 
     def _sgd_learning_rates(self, ctx):
         """Per-parameter learning rates if the update is plain SGD's, else None."""
@@ -187,7 +188,8 @@ class _StartPoint:
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
-            self.params = [p.detach().clone() for p in ctx.params]
+            # (FSDP2's shards gathered: the end's direction reads each parameter's values)
+            self.params = [full(p.detach()).clone() for p in ctx.params]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
 
     def state_dict(self):

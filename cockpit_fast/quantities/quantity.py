@@ -14,8 +14,10 @@ from collections import defaultdict
 
 import numpy
 import torch
+from torch.utils._pytree import tree_map
 
 from cockpit_fast.context import tracking
+from cockpit_fast.fsdp import full
 
 
 class FastQuantity:
@@ -109,7 +111,8 @@ class FastQuantity:
             return
         if self._verbose:  # the value itself stays on the device until output is read
             print(f"{self._verbose_prefix(step)}: Store iteration {step}")
-        self._pending[step] = value
+        # A DTensor (FSDP2's shards, or a norm of them) becomes the full value now, while every rank stores it.
+        self._pending[step] = tree_map(full, value)
 
     def _verbose_prefix(self, step):
         return f"[Step {step} | {type(self).__name__}]"

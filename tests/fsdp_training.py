@@ -1,0 +1,168 @@
+"""Language models trained under FSDP2 (``fully_shard`` on each block and the root) or in one
+process on the global batch, tracked by a cockpit or a gradient-metrics collector (test helper,
+run in the ranks of :func:`distributed_training.run_group` with ``config["job"]`` "fsdp" or
+"fsdp_collect").
+
+The same model, initial weights and global batches either way: rank r trains on its slice of
+each global batch. FSDP2 averages the ranks' gradients, the global batch's mean only for equal
+batch sizes: the one-process reference then steps with that average too (``rank_sizes``), so
+that both track the same parameters at every step.
+"""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from cockpit_fast import quantities as q
+from cockpit_fast.cockpit import Cockpit
+from cockpit_fast.utils import schedules
+from distributed_training import QUANTITY_SETS
+
+VOCAB, LENGTH = 64, 12
+
+
+def build_lm(kind):
+    """A causal language model from a tiny config (random weights), float64, and its blocks."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32,
+        )
+        model = LlamaForCausalLM(config)
+        blocks = model.model.layers
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0,
+        )
+        model = GPT2LMHeadModel(config)  # its embedding is tied to the output layer
+        blocks = model.transformer.h
+    return model.double(), blocks
+
+
+def quantities(name, sgd=True):
+    """The first-order set of the DDP tests and the gradient noise scale (without CABS and
+    EarlyStopping, which need plain SGD, unless ``sgd``), or one BackPACK curvature."""
+    if name == "curvature":
+        return [q.TICDiag(schedules.linear(1))]
+    chosen = QUANTITY_SETS["first_order"]() + [q.GradNoiseScale(schedules.linear(1))]
+    return [quantity for quantity in chosen if sgd or not isinstance(quantity, (q.CABS, q.EarlyStopping))]
+
+
+def sharded(model, blocks, config):
+    """``model`` under FSDP2 over every process (bf16 parameters with ``config["mixed"]``, blocks
+    compiled with ``config["compile"]``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.get("mixed") else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+        if config.get("compile"):
+            block.compile(backend="eager")
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _losses(model, ids):
+    """Each sequence's mean next-token loss (in float32 at least: bf16 logits under mixed precision)."""
+    logits = model(ids).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    shifted = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="none")
+    return shifted.view(ids.shape[0], -1).mean(1)
+
+
+def _batches(config, rank_sizes):
+    data = torch.Generator().manual_seed(1)
+    for _ in range(config["steps"]):
+        yield torch.randint(0, VOCAB, (sum(rank_sizes), LENGTH), generator=data)
+
+
+def train(config, rank=0, rank_sizes=None):
+    """Train ``config["steps"]`` steps; under ``torch.distributed`` rank ``rank`` takes its
+    slice of each global batch. config keys: model, steps, quantities ("first_order",
+    "curvature"), optimizer ("sgd", "adam"), frozen (freeze the first block's MLP), mixed,
+    compile, float32."""
+    distributed = dist.is_initialized()
+    model, blocks = build_lm(config["model"])
+    if config.get("float32"):
+        model = model.float()
+    if config.get("frozen"):
+        for p in blocks[0].mlp.parameters():
+            p.requires_grad_(False)
+    if distributed:
+        model = sharded(model, blocks, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sgd = config.get("optimizer", "sgd") == "sgd"
+    opt = torch.optim.SGD(params, lr=0.1) if sgd else torch.optim.Adam(params, lr=0.01)
+    cockpit = Cockpit(params, quantities=quantities(config.get("quantities", "first_order"), sgd))
+    sizes = rank_sizes if distributed else [sum(rank_sizes)]
+    start, local_n = sum(sizes[:rank]), sizes[rank]
+    for step, batch in enumerate(_batches(config, rank_sizes)):
+        ids = batch[start : start + local_n]
+        opt.zero_grad()
+        losses = _losses(model, ids)
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": local_n, "individual_losses": losses, "loss": loss, "optimizer": opt}):
+            loss.backward()
+        if not distributed and len(set(rank_sizes)) > 1:
+            # FSDP2's gradient: the average of the ranks' mean gradients.
+            opt.zero_grad()
+            slices = torch.split(_losses(model, ids), rank_sizes)
+            (sum(part.mean() for part in slices) / len(rank_sizes)).backward()
+        opt.step()
+    return {"output": {step: dict(values) for step, values in cockpit.get_output().items()}}
+
+
+def collect_rows(config, rank=0, rank_sizes=None):
+    """gradient-metrics rows of this rank's samples of one global batch, and the warnings."""
+    from cockpit_fast.gradient_metrics import GradientMetricCollector
+    from cockpit_fast.gradient_metrics.metrics import Max, MeanStd, PNorm
+
+    distributed = dist.is_initialized()
+    model, blocks = build_lm(config["model"])
+    if distributed:
+        model = sharded(model, blocks, config)
+    collector = GradientMetricCollector([Max(model), MeanStd(blocks[0]), PNorm(model, p=2)])
+    sizes = rank_sizes if distributed else [sum(rank_sizes)]
+    start, local_n = sum(sizes[:rank]), sizes[rank]
+    ids = next(_batches({"steps": 1}, rank_sizes))[start : start + local_n]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = collector(_losses(model, ids))
+    return {"rows": rows.detach(), "warnings": [str(w.message) for w in caught]}
+
+
+def refusals(config, rank=0, rank_sizes=None):
+    """What the cockpit and the ops say to FSDP1's flat parameters and to FSDP2's DTensors."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from cockpit_fast import ops
+
+    said = {}
+    model, blocks = build_lm("gpt2")
+    try:
+        Cockpit(FullyShardedDataParallel(model, device_id=torch.device("cpu")).parameters(), quantities=quantities("first_order"))
+    except ValueError as error:
+        said["fsdp1"] = str(error)
+    model, blocks = build_lm("gpt2")
+    weight = sharded(model, blocks, config).transformer.wte.weight
+    try:
+        ops.batch_l2(weight)
+    except ValueError as error:
+        said["op"] = str(error)
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities("curvature"))
+    losses = _losses(model, torch.randint(0, VOCAB, (2, LENGTH)))
+    try:
+        with cockpit(0, info={"batch_size": 2, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    except ValueError as error:
+        said["curvature"] = str(error)
+    return said
