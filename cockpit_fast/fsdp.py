@@ -9,7 +9,10 @@ so that the capture, the engine and the gradient hooks see the calls and gradien
 tracked parameters. FSDP1 (``FullyShardedDataParallel``) is refused (:func:`refuse_fsdp1`).
 """
 
+import math
+
 import torch
+import torch.distributed as dist
 
 try:
     from torch.distributed._composable_state import _module_state_mapping
@@ -94,6 +97,79 @@ class Unsharded:
                     if shard is not None and unsharded is not None:
                         self._to_graph[id(shard)] = unsharded
                         self._to_tracked[id(unsharded)] = shard
+
+
+def norms(tensors):
+    """The ℓ₂ norm of each tensor (0-dim tensors). Those of tensors sharded over one process
+    group (FSDP2's shards) are summed over it in one collective for all of them, not one each."""
+    tensors = list(tensors)
+    local = [torch.linalg.vector_norm(t.to_local() if is_sharded(t) else t) for t in tensors]
+    sharded = [i for i, t in enumerate(tensors) if is_sharded(t)]
+    if not sharded:
+        return local
+    meshes = {tensors[i].device_mesh for i in sharded}
+    if len(meshes) > 1 or any(not _sharded_on_one_dim(tensors[i]) for i in sharded):
+        return [full(torch.linalg.vector_norm(t)) if is_sharded(t) else n for t, n in zip(tensors, local)]
+    squares = torch.stack([local[i].double() ** 2 for i in sharded])
+    dist.all_reduce(squares, group=meshes.pop().get_group())
+    for i, total in zip(sharded, squares.sqrt()):
+        local[i] = total.to(local[i].dtype)
+    return local
+
+
+def _sharded_on_one_dim(tensor):
+    """Whether ``tensor`` is sharded along dimension 0 over a one-dimensional mesh (FSDP2's,
+    not HSDP's)."""
+    return tensor.device_mesh.ndim == 1 and tensor.placements[0].is_shard(0)
+
+
+def gathered(tensors):
+    """``(index, full value)`` of each tensor in order, DTensors gathered: FSDP2's shards of
+    consecutive tensors in one collective each, a batch holding at most as many values as the
+    largest tensor (about one layer's), so that no more than two such are held at once."""
+    tensors = list(tensors)
+    largest = max((t.numel() for t in tensors if is_sharded(t)), default=0)
+    batch = []
+    for index, t in enumerate(tensors):
+        batchable = is_sharded(t) and _sharded_on_one_dim(t)
+        if batch and (not batchable or t.device_mesh != tensors[batch[0]].device_mesh
+                      or t.dtype != tensors[batch[0]].dtype or sum(tensors[i].numel() for i in batch) + t.numel() > largest):
+            yield from zip(batch, _gather_shards([tensors[i] for i in batch]))
+            batch = []
+        if batchable:
+            batch.append(index)
+        else:
+            yield index, full(t)
+    yield from zip(batch, _gather_shards([tensors[i] for i in batch]))
+
+
+def _gather_shards(shards):
+    """Full values of DTensors sharded along dimension 0 over one 1-D mesh (``torch.chunk``'s
+    split, as DTensor and FSDP2 make it): every rank's shards in one all-gather."""
+    if not shards:
+        return []
+    mesh = shards[0].device_mesh
+    world = mesh.size()
+
+    def rows(t):  # each rank's rows of t
+        step = -(-t.shape[0] // world)
+        return [max(0, min(step, t.shape[0] - step * k)) for k in range(world)]
+
+    counts = [[n * math.prod(t.shape[1:]) for n in rows(t)] for t in shards]
+    width = max(sum(c[k] for c in counts) for k in range(world))
+    local = torch.cat([t.to_local().reshape(-1) for t in shards])
+    buffer = local.new_zeros(width)
+    buffer[: local.numel()] = local
+    out = local.new_empty(world * width)
+    dist.all_gather_into_tensor(out, buffer, group=mesh.get_group())
+    out = out.view(world, width)
+    starts = [0] * world
+    values = []
+    for t, count in zip(shards, counts):
+        pieces = [out[k, starts[k] : starts[k] + count[k]] for k in range(world)]
+        starts = [start + c for start, c in zip(starts, count)]
+        values.append(torch.cat(pieces).view(t.shape))
+    return values
 
 
 def full(value):

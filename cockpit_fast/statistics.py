@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast.fsdp import full, is_sharded
+from cockpit_fast.fsdp import gathered
 from cockpit_fast.per_sample.grads import held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
@@ -516,13 +516,13 @@ class StepStatistics:
                 self.dropped = True
 
     def _compute(self, found, statistics, batch_size, grads=None):
-        gathers = any(s.reads_param for s in statistics)
+        if not statistics:
+            return
         forms = {index: form for index, _, form in found}
-        for index, param in enumerate(self.params):
-            if gathers and is_sharded(param):
-                # FSDP2's shard: the statistic reads every value. Every rank gathers each layer in
-                # turn, whichever its own samples reached (a collective all join in one order).
-                param = full(param.detach())
+        # FSDP2's shards, where a statistic reads every value: every rank gathers each layer in
+        # turn, whichever its own samples reached (collectives all join in one order).
+        params = gathered(p.detach() for p in self.params) if any(s.reads_param for s in statistics) else enumerate(self.params)
+        for index, param in params:
             if index not in forms:
                 continue
             form = forms[index]

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from cockpit_fast import ops
-from cockpit_fast.fsdp import full
+from cockpit_fast.fsdp import gathered
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
 from cockpit_fast.quantities.quantity import (
@@ -189,7 +189,7 @@ class _StartPoint:
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
             # (FSDP2's shards gathered: the end's direction reads each parameter's values)
-            self.params = [full(p.detach()).clone() for p in ctx.params]
+            self.params = [value.clone() for _, value in gathered(p.detach() for p in ctx.params)]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
 
     def state_dict(self):

@@ -1,13 +1,13 @@
 """Size of the parameter update of one step."""
 
-import torch
-
+from cockpit_fast.fsdp import norms
 from cockpit_fast.quantities.quantity import FastQuantity, StepCache, plain_state, restored_per_param
 
 
 def layerwise_distance(params, reference):
-    """ℓ₂ distance of each parameter from its reference copy (list of 0-dim tensors)."""
-    return [torch.linalg.vector_norm(p.detach() - r) for p, r in zip(params, reference)]
+    """ℓ₂ distance of each parameter from its reference copy (list of 0-dim tensors; of FSDP2's
+    shards, reduced over the processes in one collective)."""
+    return norms(p.detach() - r for p, r in zip(params, reference))
 
 
 class UpdateSize(FastQuantity):
