@@ -32,19 +32,27 @@ WORLD = 2
 
 
 class CollectiveCounter:
-    """Counts calls of torch.distributed's collectives and the bytes this process contributes."""
+    """Counts calls of collectives and the bytes this process contributes to them.
 
-    NAMES = ("all_reduce", "all_gather", "broadcast")
+    Args:
+        contributed (dict): ``(module, name)`` of each collective to count -> the position of
+            the argument holding what this process contributes. Defaults to torch.distributed's
+            all_reduce, all_gather and broadcast (the cockpit's).
+    """
 
-    def __init__(self):
+    COCKPIT = {(dist, "all_reduce"): 0, (dist, "all_gather"): 1, (dist, "broadcast"): 0}
+
+    def __init__(self, contributed=None):
         self.calls = self.bytes = 0
-        for name in self.NAMES:
-            setattr(dist, name, self._counted(getattr(dist, name)))
+        for (module, name), position in (contributed or self.COCKPIT).items():
+            setattr(module, name, self._counted(getattr(module, name), position))
 
-    def _counted(self, collective):
+    def _counted(self, collective, position):
         def counted(*args, **kwargs):
             self.calls += 1
-            self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            tensor = args[position] if len(args) > position else None
+            if isinstance(tensor, torch.Tensor):
+                self.bytes += tensor.numel() * tensor.element_size()
             return collective(*args, **kwargs)
 
         return counted

@@ -38,40 +38,19 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+from bench_distributed import CollectiveCounter  # noqa: E402
 from bench_ghost import _status_kib  # noqa: E402
 
 WORLD, N, T, LAYERS, WIDTH, HEADS = 2, 8, 64, 4, 128, 4
 MEMORY_STEPS = 4
 
-# Where each collective takes the tensor one process contributes.
+# Where each collective takes the tensor one process contributes: the cockpit's, FSDP2's, DTensor's.
 CONTRIBUTED = {
-    (dist, "all_reduce"): 0, (dist, "all_gather"): 1, (dist, "broadcast"): 0,
+    **CollectiveCounter.COCKPIT,
     (dist, "all_gather_single"): 1, (dist, "reduce_scatter_single"): 1,
     (dist, "all_gather_into_tensor"): 1, (dist, "reduce_scatter_tensor"): 1,
     (funcol, "all_reduce"): 0, (funcol, "all_gather_tensor"): 0, (funcol, "reduce_scatter_tensor"): 0,
 }
-
-
-class CollectiveCounter:
-    """Counts the collectives this process calls and the bytes it contributes to them."""
-
-    def __init__(self):
-        self.calls = self.bytes = 0
-        for (module, name), position in CONTRIBUTED.items():
-            setattr(module, name, self._counted(getattr(module, name), position))
-
-    def _counted(self, collective, position):
-        def counted(*args, **kwargs):
-            self.calls += 1
-            tensor = args[position] if len(args) > position else None
-            if isinstance(tensor, torch.Tensor):
-                self.bytes += tensor.numel() * tensor.element_size()
-            return collective(*args, **kwargs)
-
-        return counted
-
-    def read(self):
-        return self.calls, self.bytes
 
 
 def build(vocab):
@@ -119,7 +98,7 @@ def stepper(model, opt, ids, tracked):
 
 def time_and_count(rank, vocab, repeats, out):
     """Rank ``rank`` of the timing run: interleaved pairs of plain and tracked steps."""
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(CONTRIBUTED)
     plain_step, _ = stepper(*build(vocab), tracked=False)
     tracked_step, cockpit = stepper(*build(vocab), tracked=True)
     for i in range(3):  # warm-up: the tracked step's first step runs the engine's checks
@@ -131,11 +110,11 @@ def time_and_count(rank, vocab, repeats, out):
         order = (("plain", plain_step), ("tracked", tracked_step))
         for name, step in order if i % 2 else order[::-1]:
             dist.barrier()
-            calls, sent_bytes = counter.read()
+            calls, sent_bytes = counter.calls, counter.bytes
             start = time.perf_counter()
             step(i)
             times[name].append(time.perf_counter() - start)
-            sent[name].append((counter.read()[0] - calls, counter.read()[1] - sent_bytes))
+            sent[name].append((counter.calls - calls, counter.bytes - sent_bytes))
     cockpit.get_output()
     if rank == 0:
         torch.save({"times": times, "sent": sent}, Path(out) / "timing.pt")

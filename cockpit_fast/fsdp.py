@@ -129,15 +129,16 @@ def gathered(tensors):
     largest tensor (about one layer's), so that no more than two such are held at once."""
     tensors = list(tensors)
     largest = max((t.numel() for t in tensors if is_sharded(t)), default=0)
-    batch = []
+    batch, held = [], 0  # indices waiting for the next collective, and their values
     for index, t in enumerate(tensors):
         batchable = is_sharded(t) and _sharded_on_one_dim(t)
-        if batch and (not batchable or t.device_mesh != tensors[batch[0]].device_mesh
-                      or t.dtype != tensors[batch[0]].dtype or sum(tensors[i].numel() for i in batch) + t.numel() > largest):
+        first = tensors[batch[0]] if batch else None
+        if first is not None and (not batchable or (t.device_mesh, t.dtype) != (first.device_mesh, first.dtype) or held + t.numel() > largest):
             yield from zip(batch, _gather_shards([tensors[i] for i in batch]))
-            batch = []
+            batch, held = [], 0
         if batchable:
             batch.append(index)
+            held += t.numel()
         else:
             yield index, full(t)
     yield from zip(batch, _gather_shards([tensors[i] for i in batch]))

@@ -188,6 +188,11 @@ def collect_rows(rank=0, rank_sizes=(6,)):
     return {"rows": rows.detach(), "warnings": [str(w.message) for w in caught]}
 
 
+def without_time(output):
+    """``output`` without the ``Time`` quantity (its values differ between runs)."""
+    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
+
+
 def _plain(output):
     return {step: dict(values) for step, values in output.items()}
 

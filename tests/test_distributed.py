@@ -11,17 +11,13 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
 from cockpit_fast.distributed import resolve_group
-from distributed_training import collect_rows, run_group, train
+from distributed_training import collect_rows, run_group, train, without_time
 from test_cockpit_core import assert_same_output, build_model
 from test_cockpit_gradients import EDGE_COUNTS
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 STEPS = 3
-
-
-def _without_time(output):
-    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
 
 
 def _one_process(config, global_n):
@@ -48,8 +44,8 @@ def test_every_quantity_equals_one_process_on_the_global_batch(model, rank_sizes
     for rank, result in enumerate(ranks):
         assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
         assert_same_output(
-            _without_time(result["output"]),
-            _without_time(expected),
+            without_time(result["output"]),
+            without_time(expected),
             rtol=1e-4,
             atol=1e-6,
             max_count_diff=EDGE_COUNTS,
@@ -69,7 +65,7 @@ def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(t
     for rank, result in enumerate(run_group([5, 3], config, tmp_path)):
         assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
         assert_same_output(
-            _without_time(result["output"]), _without_time(expected), rtol=1e-4, atol=1e-6,
+            without_time(result["output"]), without_time(expected), rtol=1e-4, atol=1e-6,
             max_count_diff=EDGE_COUNTS, path=f"rank {rank}",
         )
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_training import run_group
+from distributed_training import run_group, without_time
 from fsdp_training import collect_rows, train
 from test_cockpit_core import assert_same_output
 
@@ -16,10 +16,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 STEPS = 3
-
-
-def _without_time(output):
-    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
 
 
 def _one_process(config, rank_sizes):
@@ -52,7 +48,7 @@ def test_every_statistic_equals_one_process_on_the_global_batch(model, rank_size
     for rank, result in enumerate(ranks):
         assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
         assert_same_output(
-            _without_time(result["output"]), _without_time(expected), rtol=rtol, atol=atol, path=f"rank {rank}"
+            without_time(result["output"]), without_time(expected), rtol=rtol, atol=atol, path=f"rank {rank}"
         )
 
 

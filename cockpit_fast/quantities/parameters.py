@@ -1,5 +1,6 @@
 """The parameter values."""
 
+from cockpit_fast.fsdp import gathered
 from cockpit_fast.quantities.quantity import FastQuantity
 
 
@@ -10,8 +11,9 @@ class Parameters(FastQuantity):
     READS_BATCH = False  # parameters and time are the same in every process
 
     def _compute(self, ctx):
-        # Host copies: a long run must not pile parameter snapshots up in device memory.
-        return [p.detach().to("cpu", copy=True) for p in ctx.params]
+        # Host copies: a long run must not pile parameter snapshots up in device memory. (FSDP2's
+        # shards gathered a batch at a time.)
+        return [value.to("cpu", copy=True) for _, value in gathered(p.detach() for p in ctx.params)]
 
     def _convert(self, value):
         return [p.tolist() for p in value]
