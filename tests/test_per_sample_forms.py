@@ -92,6 +92,11 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
             torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=repr(statistic))
     rows = stats_rows(form, [1.0, 3.0])
     torch.testing.assert_close(rows, stats_rows(DenseGrads(dense), [1.0, 3.0]), rtol=rtol, atol=1e-12)
+    row_dots = form.row_dots(direction)  # closed forms only: the factored ones whose rows are the left factor's
+    assert (row_dots is not None) == (isinstance(form, FactoredGrads) and form.shape[0] == form.left_size)
+    if row_dots is not None:
+        expected = (dense * direction).flatten(2).sum(2)
+        torch.testing.assert_close(row_dots, expected, rtol=rtol, atol=rtol * float(expected.abs().max()) + 1e-12)
 
 
 def test_summed_forms_leave_their_parts_unchanged():

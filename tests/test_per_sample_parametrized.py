@@ -60,6 +60,8 @@ def _stacked_custom(layer):
 
 PARAMETRIZE = {
     "weight_norm": parametrizations.weight_norm,
+    "weight_norm_dim1": lambda layer: parametrizations.weight_norm(layer, dim=1),
+    "weight_norm_whole": lambda layer: parametrizations.weight_norm(layer, dim=None),
     "spectral_norm": parametrizations.spectral_norm,
     "orthogonal": parametrizations.orthogonal,
     "symmetric": lambda layer: parametrize.register_parametrization(layer, "weight", Symmetric()),
@@ -68,6 +70,8 @@ PARAMETRIZE = {
     "weight_and_spectral_norm": _stacked,
     "symmetric_and_exp": _stacked_custom,
     "legacy_weight_norm": legacy_weight_norm,
+    "legacy_weight_norm_last_dim": lambda layer: legacy_weight_norm(layer, dim=-2 if layer.weight.dim() == 2 else 3),
+    "legacy_weight_norm_whole": lambda layer: legacy_weight_norm(layer, dim=None),
 }
 
 
@@ -145,8 +149,8 @@ def test_per_sample_gradients_behind_a_parametrization_match_the_oracle(kind, la
             direction = torch.randn(p.shape, dtype=torch.float64)
             dots = form.dot(direction.to(dtype))
             if dots is not None:  # the closed form <G_n, J d> against the formed gradients'
-                scale = float(want.flatten(1).abs().sum(1).max() * direction.abs().max())
-                torch.testing.assert_close(dots.double(), want.flatten(1) @ direction.flatten(), rtol=0,
+                scale = float(want.reshape(N, -1).abs().sum(1).max() * direction.abs().max())
+                torch.testing.assert_close(dots.double(), want.reshape(N, -1) @ direction.flatten(), rtol=0,
                                            atol=16 * torch.finfo(dtype).eps * scale, msg=name)
     for name, b in model.named_buffers():  # the engine evaluated the parametrizations without side effects
         assert torch.equal(b, buffers[name]), name

@@ -117,6 +117,11 @@ class PerSampleGrads:
     def dot(self, direction):
         return None
 
+    def row_dots(self, direction):
+        """(N, rows): ``<G_n[r], direction[r]>`` for each row ``r`` of the first dimension, in
+        closed form; None without one."""
+        return None
+
     def abs_max(self, scale):
         return None
 
@@ -223,9 +228,16 @@ class FactoredGrads(PerSampleGrads):
         return ((left**2).T @ right**2).reshape(self.shape)
 
     def dot(self, direction):
+        return self._left_dots(direction).sum(1)
+
+    def row_dots(self, direction):
+        return self._left_dots(direction) if self.shape[0] == self.left_size else None
+
+    def _left_dots(self, direction):
+        """(N, left_size): the dot products by entry of the left factor (summed over positions)."""
         d = self._as_matrix(_acc(direction))
         left, right = _acc(self.left), _acc(self.right)
-        return ((right @ d.T) * left).sum((1, 2))
+        return ((right @ d.T) * left).sum(1)
 
     def abs_max(self, scale):
         # The largest product is the product of the largest factors, exactly in floating point.

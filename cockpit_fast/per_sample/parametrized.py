@@ -10,7 +10,9 @@ the layer's rule gives the per-sample gradients ``G_n`` of the tensor, those of 
 behind it are ``J^T G_n``, ``J`` the Jacobian of the parametrization where the forward pass
 evaluated it, the same for every sample (:class:`ChainedGrads`, :func:`chained_forms`). The
 legacy ``torch.nn.utils.weight_norm`` (a forward pre-hook computing ``weight`` from the
-module's own ``weight_g`` and ``weight_v``) is chained alike.
+module's own ``weight_g`` and ``weight_v``) is chained alike. A weight norm (the legacy
+one, or alone in its ``ParametrizationList``) has its vjp in closed form
+(:class:`WeightNormVjp`): vmap batches torch's own by a loop over samples.
 
 The parametrization is evaluated as autograd saw it, without side effects: in eval mode (a
 spectral norm's power iteration is not differentiated, its ``u`` and ``v`` are constants) and
@@ -19,12 +21,13 @@ changes its buffers.
 """
 
 import contextlib
-from functools import cached_property
+from functools import cached_property, partial
 from types import SimpleNamespace
 
 import torch
 from torch.func import functional_call
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _WeightNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from cockpit_fast.per_sample import grads
@@ -87,63 +90,118 @@ def chained_forms(module, made, names, buffers):
     ``module`` whose form its rule gave (``made``: ``{tensor name: form}``), the
     parametrizations evaluated with ``buffers`` (:func:`buffers_in_use` of that call)."""
     found = {}
-    for tensor, behind, evaluate in _chains(module, buffers):
+    for tensor, behind, evaluate, closed_vjp in _chains(module, buffers):
         wanted = {name: inner for name, (inner, _) in behind.items() if name in names}
         if tensor in made and wanted:
-            linearized = Linearized(evaluate, dict(behind.values()), list(wanted.values()))
+            linearized = Linearized(evaluate, dict(behind.values()), list(wanted.values()), closed_vjp)
             found.update({name: ChainedGrads(made[tensor], linearized, inner) for name, inner in wanted.items()})
     return found
 
 
 def _chains(module, buffers):
-    """``(tensor name, {name in module: (name in evaluate's values, parameter)}, evaluate)`` of
-    each tensor ``module`` computes from parameters, ``evaluate(values) -> tensor``."""
+    """``(tensor name, {name in module: (name in evaluate's values, parameter)}, evaluate,
+    closed_vjp)`` of each tensor ``module`` computes from parameters, ``evaluate(values) ->
+    tensor``, ``closed_vjp(values)`` the parametrization's vjp in closed form or None."""
     for tensor, plist in _parametrizations(module).items():
 
         def evaluate(values, plist=plist, state=buffers.get(tensor, {})):
             with _eval_mode([plist]):
                 return functional_call(plist, {**values, **state}, ())
 
-        yield tensor, {f"{PREFIX}{tensor}.{inner}": (inner, p) for inner, p in plist.named_parameters()}, evaluate
+        alone = plist[0] if len(plist) == 1 else None
+        closed_vjp = None
+        if isinstance(alone, _WeightNorm):
+            closed_vjp = partial(WeightNormVjp, g_name="original0", v_name="original1", dim=alone.dim)
+        yield tensor, {f"{PREFIX}{tensor}.{inner}": (inner, p) for inner, p in plist.named_parameters()}, evaluate, closed_vjp
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, WeightNorm):  # the legacy torch.nn.utils.weight_norm: from name_g and name_v
 
             def evaluate(values, hook=hook):
                 return hook.compute_weight(SimpleNamespace(**values))  # reads the two as attributes
 
-            behind = {f"{hook.name}_{part}": getattr(module, f"{hook.name}_{part}") for part in "gv"}
-            yield hook.name, {name: (name, p) for name, p in behind.items()}, evaluate
+            g, v = (f"{hook.name}_{part}" for part in "gv")
+            behind = {name: getattr(module, name) for name in (g, v)}
+            closed_vjp = partial(WeightNormVjp, g_name=g, v_name=v, dim=hook.dim)
+            yield hook.name, {name: (name, p) for name, p in behind.items()}, evaluate, closed_vjp
+
+
+class WeightNormVjp:
+    """The vjp of ``w = g v / ||v||`` (``torch._weight_norm``: norms over every dimension but
+    ``dim``, or the whole tensor for ``dim == -1``) at ``values``, for a chunk of cotangents
+    ``C``: ``<C, v / ||v||>`` per norm for ``g``, ``g / ||v|| (C - v / ||v|| <C, v / ||v||>)``
+    for ``v``."""
+
+    def __init__(self, values, g_name, v_name, dim):
+        self.g_name, self.v_name = g_name, v_name
+        g, v = values[g_name].detach(), values[v_name].detach()
+        self.kept = dim % v.dim() if dim != -1 else None
+        self.summed = tuple(d for d in range(v.dim()) if d != self.kept)
+        norm = torch.linalg.vector_norm(v, dim=self.summed, keepdim=True)
+        self.direction, self.scale, self.g_shape = v / norm, g.reshape(norm.shape) / norm, g.shape
+        self._along = {}  # id(form) -> its closed form of <G_n, v / ||v||> per norm, or None
+
+    def along(self, form):
+        """``<G_n, v / ||v||>`` per norm (N, *g's shape) from the closed forms of ``form``
+        (``G_n``), or None: a dot product per row of a weight gradient from its factors."""
+        if id(form) not in self._along:
+            found = form.dot(self.direction) if self.kept is None else None
+            found = form.row_dots(self.direction) if self.kept == 0 else found
+            self._along[id(form)] = None if found is None else found.reshape(-1, *self.g_shape)
+        return self._along[id(form)]
+
+    def __call__(self, cotangents, in_place, along=None):
+        """``{name: (c, *shape)}``; ``in_place``: ``cotangents`` may be overwritten; ``along``:
+        their :meth:`along` if known (else read from them, a product as large as they are)."""
+        if along is None:
+            along = (cotangents * self.direction).sum([d + 1 for d in self.summed])
+        along = along.to(cotangents.dtype)
+        by_norm = along.reshape(-1, *self.scale.shape)
+        grad_v = cotangents.addcmul_ if in_place else partial(torch.addcmul, cotangents)
+        return {
+            self.g_name: along.reshape(-1, *self.g_shape),
+            self.v_name: grad_v(self.direction, by_norm, value=-1).mul_(self.scale),
+        }
 
 
 class Linearized:
     """A tensor computed from parameters, evaluated at their current values, its graph kept:
     the vjp and jvp of its Jacobian there, for all parameters at once.
 
-    The vjp of a chunk of cotangents is one batched backward pass (``torch.autograd.grad`` with
-    ``is_grads_batched``, which vmaps the backward): measured faster than ``torch.func.vmap`` of
-    a ``torch.func.vjp`` pullback. The jvp comes from the same graph by a double backward (a
+    The vjp of a chunk of cotangents is its closed form where there is one, else one batched
+    backward pass (``torch.autograd.grad`` with ``is_grads_batched``, which vmaps the backward):
+    measured faster than ``torch.func.vmap`` of a ``torch.func.vjp`` pullback. The jvp comes from the same graph by a double backward (a
     weight norm has no forward-mode derivative).
 
     Args:
         evaluate (callable): ``{name: value}`` of the parameters -> the tensor.
         params (dict): ``{name: parameter}``.
         wanted (list[str]): The parameters whose per-sample gradients are asked for, one at a time.
+        closed_vjp (callable): ``values ->`` the vjp in closed form there
+            (:class:`WeightNormVjp`), or None.
     """
 
-    def __init__(self, evaluate, params, wanted):
+    def __init__(self, evaluate, params, wanted, closed_vjp=None):
         values = {name: p.detach().requires_grad_() for name, p in params.items()}
         with torch.enable_grad():
             self.tensor = evaluate(values)
+        self._closed_vjp = closed_vjp and closed_vjp(values)
         self.names, self.inputs = list(values), list(values.values())
         self.size = sum(p.numel() for p in self.inputs)
         self._wanted = set(wanted)
         self._kept, self._kept_values = {}, 0  # (id(form), start, stop, name) -> gradients not handed out yet
 
-    def vjp(self, cotangents):
-        """``{name: (c, *shape)}``: ``J^T`` of each of the ``(c, *tensor shape)`` cotangents."""
-        cotangents = cotangents.to(self.tensor.dtype)
-        if cotangents.shape[0] == 0:
+    def vjp(self, cotangents, fresh=False, form=None, start=0):
+        """``{name: (c, *shape)}``: ``J^T`` of each of the ``(c, *tensor shape)`` cotangents
+        (``fresh``: the caller's to overwrite; ``form``: theirs, samples from ``start``, for
+        the closed forms the vjp may read)."""
+        converted = cotangents.to(self.tensor.dtype)
+        if converted.shape[0] == 0:
             return {name: p.new_zeros(0, *p.shape) for name, p in zip(self.names, self.inputs)}
+        if self._closed_vjp is not None:
+            along = self._closed_vjp.along(form) if form is not None else None
+            along = along[start : start + len(converted)] if along is not None else None
+            return self._closed_vjp(converted, fresh or converted is not cotangents, along)
+        cotangents = converted
         grad = lambda c, batched: torch.autograd.grad(  # noqa: E731
             self.tensor, self.inputs, c, retain_graph=True, is_grads_batched=batched, materialize_grads=True
         )
@@ -162,7 +220,7 @@ class Linearized:
         if kept is not None:
             self._kept_values -= kept.numel()
             return kept  # handed out once: its caller may change it in place
-        found = self.vjp(form.dense_range(start, stop))
+        found = self.vjp(form.dense_range(start, stop), form.FRESH_RANGES, form, start)
         for other, values in found.items():
             if other != name and other in self._wanted and self._kept_values + values.numel() <= grads.CHUNK_VALUES:
                 self._kept[(id(form), start, stop, other)] = values
