@@ -120,6 +120,21 @@ def check_companion(op, g, other, name):
         )
 
 
+def check_directions(op, g, directions):
+    """``directions`` (k, *g.shape[1:]), k >= 0: each one a companion of ``g``."""
+    check_tensor(op, directions, "directions")
+    if directions.device != g.device:
+        raise ValueError(f"cockpit_fast.{op}: g is on {g.device} but directions is on {directions.device}")
+    if directions.dtype != g.dtype:
+        raise ValueError(f"cockpit_fast.{op}: g is {g.dtype} but directions is {directions.dtype}")
+    if directions.dim() != g.dim() or tuple(directions.shape[1:]) != tuple(g.shape[1:]):
+        expected = ", ".join(["k", *map(str, g.shape[1:])]) + ("," if g.dim() == 1 else "")
+        raise ValueError(
+            f"cockpit_fast.{op}: directions must have shape (k, *g.shape[1:]) = ({expected}), "
+            f"got {tuple(directions.shape)}"
+        )
+
+
 def check_factors(op, left, right, scale):
     """Factors (N, p) and (N, q) of per-sample outer products: 2-d, float, same N, dtype, device."""
     for name, t in (("left", left), ("right", right)):
@@ -185,13 +200,13 @@ def check_range(op, range, bins, dtype, axis=""):
     return lo, hi
 
 
-def check_scale(op, scale, dtype):
+def check_scale(op, scale, dtype, name="scale"):
     """``scale`` multiplies every value in ``dtype``'s accumulation type: it must be finite there."""
-    scale = as_number(op, scale, "scale")
+    scale = as_number(op, scale, name)
     rounded, precision = _accumulated(dtype)
     if not math.isfinite(rounded(scale)):
         raise ValueError(
-            f"cockpit_fast.{op}: scale must be finite in {precision}, the precision it multiplies in, "
+            f"cockpit_fast.{op}: {name} must be finite in {precision}, the precision it multiplies in, "
             f"got {scale}"
         )
     return scale
@@ -256,6 +271,14 @@ def batch_dot_args(g, direction, scale):
     scale = grad_args("batch_dot", g, scale)
     check_companion("batch_dot", g, direction, "direction")
     return scale
+
+
+def hist1d_batch_l2_batch_dots_args(g, directions, bins, range, hist_scale, scale):
+    op = "hist1d_batch_l2_batch_dots"
+    scale = grad_args(op, g, scale)
+    hist_scale = check_scale(op, hist_scale, g.dtype, "hist_scale")
+    check_directions(op, g, directions)
+    return (*binning_1d(op, bins, range, g.dtype), hist_scale, scale)
 
 
 def per_sample_stats_args(g, scale, p_values):

@@ -142,6 +142,21 @@ def batch_dot(g, direction, scale=1.0):
     return _OPS.batch_dot.default(g, direction, v.batch_dot_args(g, direction, scale))
 
 
+def hist1d_batch_l2_batch_dots(g, directions, bins=100, range=(-2.0, 2.0), hist_scale=1.0, scale=1.0):
+    """``(hist1d(g, bins, range, hist_scale), batch_l2(g, scale), dots)`` from one pass over g.
+
+    ``directions`` has shape (k, *g.shape[1:]), k >= 0; ``dots[:, i]`` is
+    ``batch_dot(g, directions[i], scale)``, shape (N, k). The histogram has its own scale, as
+    Cockpit bins N * g but sums g. On the CPU every result is the separate op's bit for bit; on
+    CUDA the counts are, and the sums agree to rounding.
+    """
+    if _use_reference():
+        return reference.hist1d_batch_l2_batch_dots(g, directions, bins, range, hist_scale, scale)
+    return _OPS.hist1d_batch_l2_batch_dots.default(
+        g, directions, *v.hist1d_batch_l2_batch_dots_args(g, directions, bins, range, hist_scale, scale)
+    )
+
+
 def per_sample_stats(g, scale=1.0, p_values=()):
     """Rows of max, min, mean, M2, max|x|, sum|x|^p per sample; see :mod:`cockpit_fast.stats`."""
     if _use_reference():
@@ -207,6 +222,11 @@ def _register_fake_kernels():
     def _(g, direction, scale):
         v.batch_dot_args(g, direction, scale)
         return acc(g, g.shape[0])
+
+    @torch.library.register_fake("cockpit_fast::hist1d_batch_l2_batch_dots")
+    def _(g, directions, bins, lo, hi, hist_scale, scale):
+        v.hist1d_batch_l2_batch_dots_args(g, directions, bins, (lo, hi), hist_scale, scale)
+        return g.new_empty((bins,), dtype=torch.int64), acc(g, g.shape[0]), acc(g, g.shape[0], directions.shape[0])
 
     @torch.library.register_fake("cockpit_fast::per_sample_stats")
     def _(g, scale, p_values):

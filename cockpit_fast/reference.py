@@ -91,6 +91,15 @@ def batch_dot(g, direction, scale=1.0):
 
 
 @torch.no_grad()
+def hist1d_batch_l2_batch_dots(g, directions, bins=100, range=(-2.0, 2.0), hist_scale=1.0, scale=1.0):
+    """hist1d with ``hist_scale``, batch_l2 and (N, k) batch_dot against each direction with ``scale``."""
+    bins, lo, hi, hist_scale, scale = v.hist1d_batch_l2_batch_dots_args(g, directions, bins, range, hist_scale, scale)
+    x = _scaled(g, scale)
+    d = directions.to(x.dtype).reshape(directions.shape[0], x.shape[1])
+    return hist1d(g, bins, (lo, hi), hist_scale), (x**2).sum(1), torch.einsum("nd,kd->nk", x, d)
+
+
+@torch.no_grad()
 def per_sample_stats(g, scale=1.0, p_values=()):
     """One row per sample: max, min, mean, M2, max|x|, then sum |x|^p per p (see cockpit_fast.stats)."""
     scale, p_values = v.per_sample_stats_args(g, scale, p_values)

@@ -175,11 +175,14 @@ class _DotMeanGrad(Statistic):
     def __repr__(self):
         return "dot_mean_grad"
 
+    def direction(self, hot):
+        return hot.grad
+
     def from_grad_batch(self, hot):
-        return ops.batch_dot(hot.grad_batch, hot.grad)
+        return ops.batch_dot(hot.grad_batch, self.direction(hot))
 
     def from_form(self, form, hot):
-        return form.dot(hot.grad)
+        return form.dot(self.direction(hot))
 
 
 DOT_MEAN_GRAD = _DotMeanGrad()
@@ -603,8 +606,18 @@ def _closed_form_cost(statistic):
 
 
 def _from_grad_batch(hot, statistics):
-    """``statistics`` of ``hot.grad_batch``; both square norms in one fused pass when both are asked."""
+    """``statistics`` of ``hot.grad_batch`` in as few passes over it as the fused ops allow: a
+    histogram with the squared norms and the dot products, both square norms together."""
     values = {}
+    hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
+    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    if hists and (dots or BATCH_L2 in statistics):
+        g, hist = hot.grad_batch, hists[0]
+        directions = torch.stack([statistic.direction(hot) for statistic in dots]) if dots else g.new_empty(0, *g.shape[1:])
+        values[hist], l2, products = ops.hist1d_batch_l2_batch_dots(g, directions, hist.bins, hist.range, hot.batch_size)
+        values.update({statistic: products[:, j] for j, statistic in enumerate(dots)})
+        if BATCH_L2 in statistics and SUM_GRAD_SQUARED not in statistics:
+            values[BATCH_L2] = l2
     if BATCH_L2 in statistics and SUM_GRAD_SQUARED in statistics:
         values[BATCH_L2], values[SUM_GRAD_SQUARED] = ops.batch_l2_and_sum_grad_squared(hot.grad_batch)
     for statistic in statistics:

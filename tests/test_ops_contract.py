@@ -29,6 +29,7 @@ def all_ops(g, param):
         ops.hist2d(g, param, (6, 7), ((-1.0, 1.0), (-2.0, 2.0)), 4.0),
         ops.batch_dot(g, param, 4.0),
         ops.per_sample_stats(g, 4.0, [1.0, 2.0]),
+        *ops.hist1d_batch_l2_batch_dots(g, torch.stack([param, -param]), 30, (-1.0, 1.0), 4.0, 2.0),
     )
 
 
@@ -85,6 +86,9 @@ def test_tensors_past_two_to_the_31_elements():
     block_l2 = float(block.double().pow(2).sum())
     expected_l2 = torch.tensor([1025 * block_l2, 1025 * block_l2 - float(old) ** 2 + 2500.0], dtype=torch.float64)
     torch.testing.assert_close(ops.batch_l2(g).double(), expected_l2, rtol=1e-5, atol=0)
+    fused_counts, fused_l2, _ = ops.hist1d_batch_l2_batch_dots(g, g[:0], 64, (-4.0, 4.0))
+    assert torch.equal(fused_counts, expected_counts)
+    torch.testing.assert_close(fused_l2.double(), expected_l2, rtol=1e-5, atol=0)
     row_stats = ops.per_sample_stats(g, 1.0, [2.0])
     assert row_stats[1, stats.MAX] == 50.0 and row_stats[0, stats.MAX] == float(block.max())
     torch.testing.assert_close(row_stats[:, stats.P0].double(), expected_l2, rtol=1e-5, atol=0)
@@ -104,6 +108,7 @@ def every_op_with_scale(g, param, scale, bins=6, lo=-1.0, hi=1.0):
         "per_sample_stats": lambda m: m.per_sample_stats(g, scale, [1.0, hi]),
         "outer_hist1d": lambda m: m.outer_hist1d(g, g, 5 * bins, (lo, hi), scale),
         "outer_hist2d": lambda m: m.outer_hist2d(g, g, param.expand(2, 2).contiguous(), (bins, bins + 1), xy_range, scale),
+        "hist1d_batch_l2_batch_dots": lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 5 * bins, (lo, hi), scale, scale),
     }
 
 
@@ -175,6 +180,12 @@ def bad_arguments():
         ("hist2d", lambda m: m.hist2d(g, param, (4, 4), ((0.0, 1.0),)), r"range must be a pair \(\(xlo, xhi\), \(ylo, yhi\)\)"),
         ("batch_dot", lambda m: m.batch_dot(g, None), "direction must be a tensor, got NoneType"),
         ("batch_dot", lambda m: m.batch_dot(None, param), "g must be a tensor, got NoneType"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, None), "directions must be a tensor, got NoneType"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param), r"directions must have shape \(k, \*g.shape\[1:\]\) = \(k, 2\), got \(2,\)"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], True), "bins must be a positive integer, got True"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0,)), r"range must be a pair \(lo, hi\)"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0, 1.0), None), "hist_scale must be a real number, got None"),
+        ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0, 1.0), 1.0, "2"), "scale must be a real number, got '2'"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, None), "p_values must be a tuple or list of numbers, got None"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, 2.0), "p_values must be a tuple or list of numbers"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [True]), "a p value must be a real number, got True"),
@@ -272,6 +283,8 @@ def direct_calls_with_bad_values():
         (lambda g, p: torch.ops.cockpit_fast.hist1d(g, 10, 1.0, -1.0, 1.0), "range needs lo < hi"),
         (lambda g, p: torch.ops.cockpit_fast.hist2d(g, p, 2**13, 2**12, -1.0, 1.0, -1.0, 1.0, 1.0), "at most 16777216 histogram cells"),
         (lambda g, p: torch.ops.cockpit_fast.batch_dot(g, p[:1], 1.0), "direction must have shape"),
+        (lambda g, p: torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots(g, p, 10, -1.0, 1.0, 1.0, 1.0), "directions must have shape"),
+        (lambda g, p: torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots(g, p[None], 10, -1.0, 1.0, math.inf, 1.0), "hist_scale must be finite"),
         (lambda g, p: torch.ops.cockpit_fast.per_sample_stats(g, 1.0, [-1.0]), "p values must be finite and > 0"),
         (lambda g, p: torch.ops.cockpit_fast.outer_hist1d(g, g[:1], 10, -1.0, 1.0, 1.0), "same number of samples"),
         (lambda g, p: torch.ops.cockpit_fast.outer_hist2d(g, g, p, 10, 10, -1.0, 1.0, -1.0, 1.0, 1.0), "param must have shape"),
@@ -304,3 +317,4 @@ def test_results_never_require_grad():
     torch.library.opcheck(torch.ops.cockpit_fast.batch_l2.default, (g, 2.0))
     torch.library.opcheck(torch.ops.cockpit_fast.hist2d.default, (g, param, 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
     torch.library.opcheck(torch.ops.cockpit_fast.outer_hist2d.default, (g, g, param.expand(2, 2), 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
+    torch.library.opcheck(torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots.default, (g, param[None], 10, -1.0, 1.0, 2.0, 2.0))

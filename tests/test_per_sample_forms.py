@@ -65,7 +65,8 @@ def _explicit(name, form):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", list(_forms(torch.float64)))
 @pytest.mark.parametrize("route", ROUTES)
-def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, dtype, monkeypatch):
+@pytest.mark.parametrize("sum_grad_squared", [True, False], ids=["with_sum_grad_squared", "without"])
+def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, dtype, sum_grad_squared, monkeypatch):
     monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 80)  # several chunks of samples
     form = _forms(dtype)[name]
     dense = _explicit(name, form)
@@ -76,6 +77,8 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
     largest = float((n * dense).abs().max())
     hist1d, hist2d = Hist1d(13, (-0.6 * largest, 0.5 * largest)), Hist2d((5, 4), ((-0.5 * largest, 0.7 * largest), (-1, 1)))
     requests = {BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, Projection("test", "d", lambda hot: direction), hist1d, hist2d}
+    if not sum_grad_squared:  # the squared norms then come with the histogram and the dot products
+        requests.remove(SUM_GRAD_SQUARED)
     values = compute_statistics(0, param, form, requests, route=route)
     reference = compute_statistics(0, param, DenseGrads(dense), requests, route="grad_batch")
     rtol = 1e-5 if dtype == torch.float32 else 1e-10

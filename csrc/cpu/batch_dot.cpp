@@ -15,41 +15,21 @@
 namespace cockpit_fast {
 namespace {
 
-constexpr int64_t kTileColumns = 2048;
-
-template <typename scalar_t, typename acc_t>
-COCKPIT_FAST_SIMD_CLONES acc_t dot_tile(const scalar_t* x, const scalar_t* d, int64_t len, acc_t s) {
-  // (s * x) * d, as <scale * g[n], direction> reads: scaling the sum instead overflows or
-  // underflows where the products do but the scaled products do not.
-  acc_t lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= len; j += kLanes) {
-    COCKPIT_FAST_LANES_SIMD
-    for (int k = 0; k < kLanes; ++k) {
-      lanes[k] += (s * static_cast<acc_t>(x[j + k])) * static_cast<acc_t>(d[j + k]);
-    }
-  }
-  for (; j < len; ++j) lanes[0] += (s * static_cast<acc_t>(x[j])) * static_cast<acc_t>(d[j]);
-  acc_t total = 0;
-  for (int k = 0; k < kLanes; ++k) total += lanes[k];
-  return total;
-}
-
 template <typename scalar_t>
 void batch_dot_kernel(const at::Tensor& rows, const at::Tensor& direction, double scale,
                       at::Tensor& dots) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t n_rows = rows.size(0), n_cols = rows.size(1);
-  const int64_t n_tiles = (n_cols + kTileColumns - 1) / kTileColumns;
+  const int64_t n_tiles = (n_cols + kDotTileColumns - 1) / kDotTileColumns;
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
   const scalar_t* d = direction.const_data_ptr<scalar_t>();
   std::vector<acc_t> partials(n_rows * n_tiles);
   const acc_t s = static_cast<acc_t>(scale);
 
-  at::parallel_for(0, n_rows * n_tiles, grain_for(std::min(kTileColumns, n_cols)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_rows * n_tiles, grain_for(std::min(kDotTileColumns, n_cols)), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t n = block / n_tiles, j0 = (block % n_tiles) * kTileColumns;
-      const int64_t len = std::min(kTileColumns, n_cols - j0);
+      const int64_t n = block / n_tiles, j0 = (block % n_tiles) * kDotTileColumns;
+      const int64_t len = std::min(kDotTileColumns, n_cols - j0);
       partials[block] = dot_tile<scalar_t, acc_t>(data + n * n_cols + j0, d + j0, len, s);
     }
   });

@@ -19,7 +19,6 @@
 namespace cockpit_fast {
 namespace {
 
-constexpr int64_t kTileColumns = 1024;
 constexpr int64_t kGroupRows = 64;
 
 // Squares of scale * x[0..len): returns their sum; adds each square to column_sums if kColumns.
@@ -51,7 +50,7 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
                          at::Tensor& sum_sq) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t n_rows = rows.size(0), n_cols = rows.size(1);
-  const int64_t n_tiles = (n_cols + kTileColumns - 1) / kTileColumns;
+  const int64_t n_tiles = (n_cols + kSquareTileColumns - 1) / kSquareTileColumns;
   const int64_t n_groups = (n_rows + kGroupRows - 1) / kGroupRows;
   const scalar_t* data = rows.const_data_ptr<scalar_t>();
   const acc_t s = static_cast<acc_t>(scale);
@@ -59,11 +58,11 @@ void square_norms_kernel(const at::Tensor& rows, double scale, at::Tensor& l2,
   std::vector<acc_t> row_partials(kRows ? n_rows * n_tiles : 0);
   std::vector<acc_t> column_partials(kColumns ? n_groups * n_cols : 0, acc_t(0));
 
-  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kTileColumns);
+  const int64_t values_per_block = std::min(n_rows, kGroupRows) * std::min(n_cols, kSquareTileColumns);
   at::parallel_for(0, n_groups * n_tiles, grain_for(values_per_block), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t group = block / n_tiles, tile = block % n_tiles;
-      const int64_t j0 = tile * kTileColumns, len = std::min(kTileColumns, n_cols - j0);
+      const int64_t j0 = tile * kSquareTileColumns, len = std::min(kSquareTileColumns, n_cols - j0);
       const int64_t n_end = std::min(n_rows, (group + 1) * kGroupRows);
       acc_t* columns = kColumns ? column_partials.data() + group * n_cols + j0 : nullptr;
       for (int64_t n = group * kGroupRows; n < n_end; ++n) {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace cockpit_fast {
@@ -42,9 +43,10 @@ inline double as_accumulated(double v, at::ScalarType dtype) {
 }
 
 // scale multiplies every value in the accumulation type; finite in double is not enough.
-inline void check_scale(const char* op, double scale, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(std::isfinite(as_accumulated(scale, dtype)), "cockpit_fast.", op,
-                    ": scale must be finite in ", accumulation_name(dtype),
+inline void check_scale(const char* op, double scale, at::ScalarType dtype,
+                        const char* name = "scale") {
+  TORCH_CHECK_VALUE(std::isfinite(as_accumulated(scale, dtype)), "cockpit_fast.", op, ": ", name,
+                    " must be finite in ", accumulation_name(dtype),
                     ", the precision it multiplies in, got ", scale);
 }
 
@@ -93,6 +95,20 @@ inline void check_companion(const char* op, const at::Tensor& g, const at::Tenso
   TORCH_CHECK_VALUE(other.sizes() == g.sizes().slice(1), "cockpit_fast.", op, ": ", name,
                     " must have shape g.shape[1:] = ", g.sizes().slice(1), ", got ",
                     other.sizes());
+}
+
+// Directions (k, *param_shape), k >= 0: each one a companion of g.
+inline void check_directions(const char* op, const at::Tensor& g, const at::Tensor& directions) {
+  TORCH_CHECK_VALUE(directions.device() == g.device(), "cockpit_fast.", op, ": g is on ",
+                    g.device(), " but directions is on ", directions.device());
+  TORCH_CHECK_VALUE(directions.scalar_type() == g.scalar_type(), "cockpit_fast.", op, ": g is ",
+                    g.scalar_type(), " but directions is ", directions.scalar_type());
+  if (directions.dim() != g.dim() || directions.sizes().slice(1) != g.sizes().slice(1)) {
+    std::string expected = "(k";
+    for (int64_t size : g.sizes().slice(1)) expected += ", " + std::to_string(size);
+    TORCH_CHECK_VALUE(false, "cockpit_fast.", op, ": directions must have shape (k, *g.shape[1:]) = ",
+                      expected, g.dim() == 1 ? ",)" : ")", ", got ", directions.sizes());
+  }
 }
 
 inline void check_bins(const char* op, int64_t bins, const char* axis) {

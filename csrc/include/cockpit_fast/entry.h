@@ -75,6 +75,32 @@ inline BatchDotArgs batch_dot_args(const at::Tensor& g, const at::Tensor& direct
           at::zeros({rows.size(0)}, accumulation_options(g))};
 }
 
+// hist1d, batch_l2 and batch_dot against k directions from one pass: counts (bins,) int64,
+// l2 (N,) and dots (N, k) in the accumulation dtype, zero-filled; directions as (k, D) rows.
+struct Hist1dBatchL2BatchDotsArgs {
+  at::Tensor rows, directions, counts, l2, dots;
+};
+
+inline Hist1dBatchL2BatchDotsArgs hist1d_batch_l2_batch_dots_args(const at::Tensor& g,
+                                                                  const at::Tensor& directions,
+                                                                  int64_t bins, double lo,
+                                                                  double hi, double hist_scale,
+                                                                  double scale) {
+  const char* op = "hist1d_batch_l2_batch_dots";
+  check_grad(op, g, scale);
+  check_scale(op, hist_scale, g.scalar_type(), "hist_scale");
+  check_directions(op, g, directions);
+  check_bins(op, bins, "");
+  check_cells(op, bins);
+  check_range(op, lo, hi, bins, g.scalar_type(), "");
+  at::Tensor rows = as_rows(g);
+  const int64_t k = directions.size(0);
+  return {rows, directions.contiguous().view({k, rows.size(1)}),
+          at::zeros({bins}, g.options().dtype(at::kLong)),
+          at::zeros({rows.size(0)}, accumulation_options(g)),
+          at::zeros({rows.size(0), k}, accumulation_options(g))};
+}
+
 // Rows start as the summary of no values, which is also what an empty row must report.
 struct PerSampleStatsArgs {
   at::Tensor rows, stats;
