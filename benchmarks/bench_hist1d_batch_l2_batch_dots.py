@@ -1,6 +1,7 @@
 """hist1d_batch_l2_batch_dots against the separate hist1d, batch_l2 and 2 x batch_dot, side by side.
 
     python benchmarks/bench_hist1d_batch_l2_batch_dots.py [--repeats 21] [--calls 20] [--threads 1]
+        [--families gpt2 llama bert vit] [--steps 12]
 
 A tracked step reads each parameter's chunk of per-sample gradients g once per statistic: the
 histogram, the per-sample squared norms and the projections on two directions (four passes).
@@ -8,18 +9,23 @@ The fused op reads it once. For float32 chunks of real layer shapes, each repeat
 calls of the fused op and of the four separate calls, in alternating order; printed are the
 medians over the repeats (ms per call) and the median of the per-repeat ratios separate / fused,
 with hist1d alone for scale. Inputs as Cockpit sees them: g ~ 1 / N, binned at scale N into 100
-bins over (-2, 2).
+bins over (-2, 2). Then what it does to a tracked step: plain steps, tracked steps whose
+statistics read each formed chunk through the op, and tracked steps with the op replaced by the
+separate calls, interleaved (``bench_families.py``'s models and economy cockpit).
 """
 
 import argparse
 import os
 import statistics
 import time
+import warnings
 
 import torch
 
 import cockpit_fast
 from cockpit_fast import ops
+
+import bench_families  # its models and tracked steps
 
 CHUNKS = [(32, 128, 512), (32, 512, 128), (32, 1024, 128), (10, 256, 784)]
 BINS, RANGE = 100, (-2.0, 2.0)
@@ -69,11 +75,36 @@ def time_chunk(shape, repeats, calls):
     return {name: statistics.median(t) for name, t in times.items()}, statistics.median(ratios)
 
 
+def separate(g, directions, bins, range, hist_scale):
+    """What the op returns, from the separate ops (the statistics' reads before it)."""
+    dots = [ops.batch_dot(g, d) for d in directions]
+    return ops.hist1d(g, bins, range, hist_scale), ops.batch_l2(g), torch.stack(dots, 1) if dots else g.new_zeros(len(g), 0)
+
+
+def time_steps(name, steps):
+    """Median ms of a plain step, a tracked step with the op, one with the separate ops."""
+    fused = ops.hist1d_batch_l2_batch_dots
+    model, batch, losses = bench_families.build(name, 1024)
+    tracked, _ = bench_families.stepper(model, batch, losses, True)
+    plain = bench_families.stepper(bench_families.build(name, 1024)[0], batch, losses, False)[0]
+    for i in range(3):
+        tracked(i), plain(i)
+    times = {"plain": [], "fused": [], "separate": []}
+    for i in range(steps):
+        for variant, found in times.items():
+            ops.hist1d_batch_l2_batch_dots = separate if variant == "separate" else fused
+            found.append(bench_families.seconds(plain if variant == "plain" else tracked, 3 + i))
+    ops.hist1d_batch_l2_batch_dots = fused
+    return {variant: 1e3 * statistics.median(found) for variant, found in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21, help="interleaved repeats per chunk")
     parser.add_argument("--calls", type=int, default=20, help="calls timed per repeat")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--families", nargs="*", default=["gpt2", "llama", "bert", "vit"], help="tracked steps of")
+    parser.add_argument("--steps", type=int, default=12, help="interleaved steps per variant")
     args = parser.parse_args()
     if not cockpit_fast.has_extension():
         raise SystemExit("cockpit_fast._C is not built: the benchmark would time the reference ops")
@@ -91,6 +122,17 @@ def main():
             f"{str(shape):20} {megabytes:>6.1f} {1e3 * medians['fused']:>8.3f} {1e3 * medians['separate']:>9.3f} "
             f"{1e3 * medians['hist1d']:>8.3f} {ratio:>16.2f}x"
         )
+    if args.families:
+        import transformers  # noqa: PLC0415 (only for the steps)
+
+        warnings.simplefilter("ignore")  # the engine's notices
+        transformers.logging.set_verbosity_error()  # GPT-2's config names its own vocabulary's end token
+        print(f"\ntracked economy steps (N = 32, T = 32), median of {args.steps} interleaved steps; ms and x plain")
+        print(f"{'family':8} {'plain':>8} {'fused':>15} {'separate':>15}")
+        for name in args.families:
+            ms = time_steps(name, args.steps)
+            cells = [f"{ms[v]:7.1f} ({ms[v] / ms['plain']:.2f}x)" for v in ("fused", "separate")]
+            print(f"{name:8} {ms['plain']:8.1f} {cells[0]:>15} {cells[1]:>15}", flush=True)
     print(f"load average at the end {os.getloadavg()}")
 
 

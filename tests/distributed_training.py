@@ -188,9 +188,14 @@ def collect_rows(rank=0, rank_sizes=(6,)):
     return {"rows": rows.detach(), "warnings": [str(w.message) for w in caught]}
 
 
-def without_time(output):
-    """``output`` without the ``Time`` quantity (its values differ between runs)."""
-    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
+def comparable(output):
+    """``output`` without the ``Time`` quantity (its values differ between runs), ``Alpha`` as a
+    float: a fit within rounding of a line gives α = -1 (an int, as Cockpit's concave fits) or
+    -1 + 1e-13 (a float) by the sign of its rounding; α is continuous there."""
+    return {
+        step: {k: float(v) if k == "Alpha" and v is not None else v for k, v in values.items() if k != "Time"}
+        for step, values in output.items()
+    }
 
 
 def _plain(output):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
 from cockpit_fast.distributed import resolve_group
-from distributed_training import collect_rows, run_group, train, without_time
+from distributed_training import collect_rows, comparable, run_group, train
 from test_cockpit_core import assert_same_output, build_model
 from test_cockpit_gradients import EDGE_COUNTS
 
@@ -44,8 +44,8 @@ def test_every_quantity_equals_one_process_on_the_global_batch(model, rank_sizes
     for rank, result in enumerate(ranks):
         assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
         assert_same_output(
-            without_time(result["output"]),
-            without_time(expected),
+            comparable(result["output"]),
+            comparable(expected),
             rtol=1e-4,
             atol=1e-6,
             max_count_diff=EDGE_COUNTS,
@@ -65,7 +65,7 @@ def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(t
     for rank, result in enumerate(run_group([5, 3], config, tmp_path)):
         assert sorted(result["output"]) == list(range(STEPS)) == sorted(expected)
         assert_same_output(
-            without_time(result["output"]), without_time(expected), rtol=1e-4, atol=1e-6,
+            comparable(result["output"]), comparable(expected), rtol=1e-4, atol=1e-6,
             max_count_diff=EDGE_COUNTS, path=f"rank {rank}",
         )
 
