@@ -344,17 +344,6 @@ class NanoGPTPositions(torch.nn.Module):
         return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))))
 
 
-class HFPositions(NanoGPTPositions):
-    """Positions looked up with ids of shape (1, T), as Hugging Face models do, the lookup's
-    output read as (1, T, width) by the model itself."""
-
-    def forward(self, ids):
-        tokens = self.tokens(ids)
-        positions = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
-        assert positions.shape[0] == 1, "the lookup's output is the model's own: one row of positions"
-        return self.head(torch.tanh(tokens + positions))
-
-
 class AttentionPool(torch.nn.Module):
     """A learned query looked up once (ids of shape (1,)), a Linear subclass with its own forward."""
 
@@ -405,21 +394,6 @@ def test_positions_looked_up_once_match_the_oracle_and_keep_output_shapes():
         actual, expected = _norm_test_against_oracle(model, ids, None, losses_of)
     assert actual == pytest.approx(expected, rel=1e-7)
     assert model(ids[:1]).shape == (1, N, 11)  # a batch of one stays one
-
-
-def test_positions_looked_up_with_a_row_of_ids_stay_the_models_and_take_the_embedding_rule():
-    torch.manual_seed(0)
-    model = HFPositions().double()
-    ids = torch.randint(0, 11, (N, N))
-    losses_of = lambda m, x, y: torch.nn.functional.cross_entropy(m(x).transpose(1, 2), x, reduction="none").mean(1)  # noqa: E731
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
-    g = flat(_oracle(model, params, losses_of, ids, None, {}))
-    mean = g.mean(0)
-    expected = float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5
-    _step(model, losses_of, ids, None, cockpit, 0)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-7)
-    assert cockpit.routes()["positions.weight"] == "module-local: Embedding rule"
 
 
 def test_a_linear_subclass_with_its_own_forward_and_a_query_looked_up_once():
