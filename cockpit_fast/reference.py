@@ -74,7 +74,9 @@ def hist2d(g, param, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), scale=1.0)
         width = (hi - lo) / n_bins
         centred = data.clamp(lo + width / 2, hi - width / 2)
         # The clamp keeps finite values in [0, n_bins); the outer clamp only tames NaN's cast.
-        bin_index = ((centred - lo) / width).long().clamp(0, n_bins - 1)
+        # A tensor divisor: torch on CUDA divides by a Python number as a product with its
+        # reciprocal, which can put a value one bin off; a tensor rounds as the kernels do.
+        bin_index = ((centred - lo) / centred.new_tensor(width)).long().clamp(0, n_bins - 1)
         index += stride * bin_index
     counted = ~(x.isnan() | y.isnan())
     hist = torch.zeros(xbins * ybins, dtype=torch.long, device=g.device)

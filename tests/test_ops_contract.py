@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cockpit_fast import _limits, ops, reference, stats
-from conftest import assert_rejects, random_grad, random_param
+from conftest import DEVICES, assert_rejects, random_grad, random_param
 
 
 def all_ops(g, param):
@@ -66,30 +66,31 @@ def test_reference_fallback_is_visible_and_agrees():
 
 
 @pytest.mark.large
-def test_tensors_past_two_to_the_31_elements():
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensors_past_two_to_the_31_elements(device):
     """Two rows of 1025 * 2^20 float16 values, 2^31 + 2^21 in all: any 32-bit index would wrap.
 
     The rows repeat one random block, so the exact answer follows from the block's own.
     """
     block = torch.randn(2**20, generator=torch.Generator().manual_seed(0)).half()
     repeats = 2 * 1025
-    g = block.repeat(repeats).view(2, -1)
-    old = g[1, -1].clone()
+    g = block.to(device).repeat(repeats).view(2, -1)
+    old = g[1, -1].clone().cpu()
     g[1, -1] = 50.0  # only visible past the 2^31-th element: a wrapped index would miss it
 
     block_counts = reference.hist1d(block[None], 64, (-4.0, 4.0))
     moved = reference.hist1d(old.reshape(1, 1), 64, (-4.0, 4.0))
     expected_counts = repeats * block_counts - moved
     expected_counts[-1] += 1  # 50 is clamped into the last bin
-    assert torch.equal(ops.hist1d(g, 64, (-4.0, 4.0)), expected_counts)
+    assert torch.equal(ops.hist1d(g, 64, (-4.0, 4.0)).cpu(), expected_counts)
 
     block_l2 = float(block.double().pow(2).sum())
     expected_l2 = torch.tensor([1025 * block_l2, 1025 * block_l2 - float(old) ** 2 + 2500.0], dtype=torch.float64)
-    torch.testing.assert_close(ops.batch_l2(g).double(), expected_l2, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ops.batch_l2(g).double().cpu(), expected_l2, rtol=1e-5, atol=0)
     fused_counts, fused_l2, _ = ops.hist1d_batch_l2_batch_dots(g, g[:0], 64, (-4.0, 4.0))
-    assert torch.equal(fused_counts, expected_counts)
-    torch.testing.assert_close(fused_l2.double(), expected_l2, rtol=1e-5, atol=0)
-    row_stats = ops.per_sample_stats(g, 1.0, [2.0])
+    assert torch.equal(fused_counts.cpu(), expected_counts)
+    torch.testing.assert_close(fused_l2.double().cpu(), expected_l2, rtol=1e-5, atol=0)
+    row_stats = ops.per_sample_stats(g, 1.0, [2.0]).cpu()
     assert row_stats[1, stats.MAX] == 50.0 and row_stats[0, stats.MAX] == float(block.max())
     torch.testing.assert_close(row_stats[:, stats.P0].double(), expected_l2, rtol=1e-5, atol=0)
 
