@@ -26,6 +26,8 @@ def _forms(dtype):
         "gram": FactoredGrads(randn(n, 3, 5), randn(n, 3, 7), (5, 7)),  # 3 * 12 < 35: pays
         "long": FactoredGrads(randn(n, 9, 3), randn(n, 9, 4), (3, 4)),  # 9 * 7 > 12: forms
         "rows": RowGrads.from_lookups(ids, randn(n, 4, 3), 7, skip=0),
+        # Every sample looks up every row (twice): no entry is an untouched zero.
+        "all_rows": RowGrads.from_lookups(torch.arange(4).repeat(n, 2), randn(n, 8, 3), 4),
         "summed": combine([FactoredGrads(randn(n, 2, 5), randn(n, 2, 7), (5, 7)), DenseGrads(randn(n, 5, 7))]),
         # Tied input and output embeddings: rows added into the head's factors.
         "tied": combine([RowGrads.from_lookups(ids, randn(n, 4, 3), 7), FactoredGrads(randn(n, 2, 7), randn(n, 2, 3), (7, 3))]),

@@ -344,14 +344,21 @@ class RowGrads(PerSampleGrads):
         n, width = ids.shape[0], output_grads.shape[-1]
         ids = ids.reshape(n, -1)
         samples = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
-        keep = None if skip is None else ids.reshape(-1) != skip
         pairs = (samples * num_rows + ids).reshape(-1)
         grads = output_grads.reshape(-1, width)
-        if keep is not None:
-            pairs, grads = pairs[keep], grads[keep]
-        unique, position = torch.unique(pairs, return_inverse=True)  # a row looked up twice sums
-        rows = grads.new_zeros(unique.shape[0], width).index_add_(0, position, grads)
-        return cls(rows, unique // num_rows, unique % num_rows, n, (num_rows, width))
+        if skip is not None:
+            grads = grads.masked_fill((ids.reshape(-1) == skip).unsqueeze(1), 0)
+        # A row a sample looks up twice sums. Not torch.unique: its size, known on the device only,
+        # would stop the host. A slot per lookup instead: each run of one pair sums into its first
+        # slot, the slots left over stay zero rows at (sample 0, row 0). Zero rows, like the padding
+        # lookups', change no statistic: they are counted as the zeros they stand for.
+        ordered, order = pairs.sort()
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        slot = first.cumsum(0) - 1
+        rows = grads.new_zeros(pairs.shape[0], width).index_add_(0, slot, grads[order])
+        keys = torch.zeros_like(pairs).scatter_(0, slot, ordered)
+        return cls(rows, keys // num_rows, keys % num_rows, n, (num_rows, width))
 
     @cached_property
     def grad(self):
@@ -368,8 +375,11 @@ class RowGrads(PerSampleGrads):
         return out
 
     def add_range_to(self, out, start, stop):
-        chosen = (self.samples >= start) & (self.samples < stop)
-        out.index_put_((self.samples[chosen] - start, self.indices[chosen]), self.rows[chosen], accumulate=True)
+        # Every row, those of other samples as zeros: a selection's size would stop the host.
+        local = self.samples - start
+        inside = (local >= 0) & (local < stop - start)
+        rows = self.rows.masked_fill(~inside.unsqueeze(1), 0)
+        out.index_put_((local.clamp(0, stop - start - 1), self.indices), rows, accumulate=True)
 
     def batch_l2(self, force=False):
         squares = (_acc(self.rows) ** 2).sum(1)
@@ -384,9 +394,9 @@ class RowGrads(PerSampleGrads):
         return products.new_zeros(self.batch_size).index_add_(0, self.samples, products)
 
     def abs_max(self, scale):
-        largest = (scale * _acc(self.rows)).abs().amax() if self.rows.numel() else None
-        zero = torch.zeros((), dtype=accumulation_dtype(self.rows.dtype), device=self.rows.device)
-        return zero if largest is None or self._zeros() == 0 else torch.maximum(largest, zero)
+        if self.rows.numel() == 0:  # every entry is zero
+            return torch.zeros((), dtype=accumulation_dtype(self.rows.dtype), device=self.rows.device)
+        return (scale * _acc(self.rows)).abs().amax()
 
     def _zeros(self):
         """How many entries of the N gradients are zero without being a touched row's."""
