@@ -7,8 +7,15 @@ random weights; N=16 sequences of T=64 tokens), which Cockpit 1.0.2 cannot track
 variant's best of ``--repeats`` runs is reported, the three variants interleaved so that a
 change in machine load hits them alike.
 
-Usage: ``python benchmarks/bench_step.py [--quick] [--model mlp|cnn|gpt2] [--only NAME ...]``
+On CUDA (``--device cuda``) the steps are timed with the device synchronised at both ends;
+``--gpt2-size 124m`` takes GPT-2's own size (12 layers, width 768, 12 heads, T=1024, N=8 sequences)
+and ``--bf16`` runs every step under bf16 autocast.
+
+Usage: ``python benchmarks/bench_step.py [--quick] [--model mlp|cnn|gpt2] [--only NAME ...]
+[--device cpu|cuda] [--gpt2-size small|124m] [--bf16]``
 """
+
+import contextlib
 
 import argparse
 import sys
@@ -50,13 +57,17 @@ CASES = [
 ]
 
 
-GPT2_TOKENS, GPT2_VOCAB = 64, 50257
+GPT2_VOCAB = 50257
+# (layers, width, heads, tokens per sequence, sequences per batch)
+GPT2_SIZES = {"small": (4, 128, 4, 64, 16), "124m": (12, 768, 12, 1024, 8)}
+SETTINGS = {"device": "cpu", "gpt2_size": "small", "bf16": False}
 
 
 def build(model_name):
     """Model, input shape and batch size of a benchmark problem (input shape None: tokens)."""
     if model_name == "gpt2":  # GPT-2's vocabulary and dropout
-        return hf_gpt2(layers=4, width=128, heads=4, vocab=GPT2_VOCAB, positions=GPT2_TOKENS, dropout=0.1), None, 16
+        layers, width, heads, tokens, n = GPT2_SIZES[SETTINGS["gpt2_size"]]
+        return hf_gpt2(layers=layers, width=width, heads=heads, vocab=GPT2_VOCAB, positions=tokens, dropout=0.1), None, n
     if model_name == "mlp":
         model = torch.nn.Sequential(
             torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
@@ -94,6 +105,10 @@ def training_step(model, params, cockpit, batch):
 
     def step(i):
         inputs, labels = batch(i)
+        with autocast():
+            one_step(inputs, labels, i)
+
+    def one_step(inputs, labels, i):
         if labels is None:  # language modelling: the sequences are their own labels
             training.training_step(model, opt, (inputs, inputs), token_losses, cockpit=cockpit, step=i)
         else:
@@ -104,28 +119,43 @@ def training_step(model, params, cockpit, batch):
     return step
 
 
+def autocast():
+    if SETTINGS["bf16"]:
+        return torch.autocast(SETTINGS["device"], dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronize():
+    if SETTINGS["device"] == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_run(model_name, cockpit_factory, steps, seed=0):
     """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
     torch.manual_seed(seed)
     model, input_shape, n = build(model_name)
-    model = extend(model)
+    device = SETTINGS["device"]
+    model = extend(model.to(device))
     cockpit = cockpit_factory(model.parameters()) if cockpit_factory else None
     data = torch.Generator().manual_seed(seed)
     if input_shape is None:
-        batches = [(torch.randint(0, GPT2_VOCAB, (n, GPT2_TOKENS), generator=data), None) for _ in range(4)]
+        tokens = GPT2_SIZES[SETTINGS["gpt2_size"]][3]
+        batches = [(torch.randint(0, GPT2_VOCAB, (n, tokens), generator=data).to(device), None) for _ in range(4)]
     else:
         batches = [
-            (torch.randn(n, *input_shape, generator=data), torch.randint(0, 10, (n,), generator=data))
+            (torch.randn(n, *input_shape, generator=data).to(device), torch.randint(0, 10, (n,), generator=data).to(device))
             for _ in range(4)
         ]
     step = training_step(model, model.parameters(), cockpit, lambda i: batches[i % len(batches)])
 
     step(0)  # warm-up: allocations, first-call costs, Distance's reference copy
+    synchronize()
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step(i)
     if cockpit is not None:
         cockpit.get_output()
+    synchronize()
     return (time.perf_counter() - start) / steps
 
 
@@ -145,7 +175,11 @@ def main():
     parser.add_argument("--only", nargs="+", choices=CASES, help="cases to run; default all")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpt2-size", choices=sorted(GPT2_SIZES), default="small")
+    parser.add_argument("--bf16", action="store_true", help="every step under bf16 autocast")
     args = parser.parse_args()
+    SETTINGS.update(device=args.device, gpt2_size=args.gpt2_size, bf16=args.bf16)
     steps = args.steps or (3 if args.quick else 10)
     repeats = args.repeats or (1 if args.quick else 3)
 
@@ -155,7 +189,8 @@ def main():
 
     ref_modules, fast_modules = (ref_configuration, ref_schedules), (fast_configuration, fast_schedules)
     warnings.simplefilter("ignore")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused ops: {cockpit_fast.has_extension()}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, fused ops: {cockpit_fast.has_extension()}, bf16 autocast: {args.bf16}")
     print(f"{steps} steps per run, best of {repeats}; ms per training step\n")
     header = (
         f"{'model':5} {'case':14} {'plain':>8} {'cockpit':>9} {'fast':>8}"
