@@ -42,6 +42,13 @@ def samples_per_chunk(values_per_sample):
     return max(1, CHUNK_VALUES // max(1, values_per_sample))
 
 
+def _widened(out, dtype):
+    """``out``, or a copy in the wider dtype where ``dtype`` is wider: parts of one parameter's
+    gradients may come in different precisions (autocast's bf16 head tied to an fp32 embedding)."""
+    wide = torch.promote_types(out.dtype, dtype)
+    return out if wide == out.dtype else out.to(wide)
+
+
 def _acc(t):
     return t.to(accumulation_dtype(t.dtype))
 
@@ -104,8 +111,12 @@ class PerSampleGrads:
         return sum(chunk.abs().sum(0) for chunk in self.chunks())
 
     def add_range_to(self, out, start, stop):
-        """Adds the gradients of samples ``start`` to ``stop`` to ``out``, ``(stop - start, *shape)``."""
-        out += self.dense_range(start, stop)
+        """``out`` (``(stop - start, *shape)``, changed in place) plus the gradients of samples
+        ``start`` to ``stop``, in the wider of the two dtypes (a new tensor where that is not out's)."""
+        addend = self.dense_range(start, stop)
+        out = _widened(out, addend.dtype)
+        out += addend
+        return out
 
     def batch_l2(self, force=False):
         """(N,) squared norms; ``force``: the closed form even where forming is cheaper."""
@@ -370,16 +381,16 @@ class RowGrads(PerSampleGrads):
     FRESH_RANGES = True
 
     def dense_range(self, start, stop):
-        out = self.rows.new_zeros(stop - start, *self.shape)
-        self.add_range_to(out, start, stop)
-        return out
+        return self.add_range_to(self.rows.new_zeros(stop - start, *self.shape), start, stop)
 
     def add_range_to(self, out, start, stop):
         # Every row, those of other samples as zeros: a selection's size would stop the host.
         local = self.samples - start
         inside = (local >= 0) & (local < stop - start)
-        rows = self.rows.masked_fill(~inside.unsqueeze(1), 0)
+        out = _widened(out, self.rows.dtype)
+        rows = self.rows.masked_fill(~inside.unsqueeze(1), 0).to(out.dtype)
         out.index_put_((local.clamp(0, stop - start - 1), self.indices), rows, accumulate=True)
+        return out
 
     def batch_l2(self, force=False):
         squares = (_acc(self.rows) ** 2).sum(1)
@@ -447,7 +458,7 @@ class SummedGrads(PerSampleGrads):
         if not first.FRESH_RANGES:
             out = out.clone()
         for part in rest:
-            part.add_range_to(out, start, stop)
+            out = part.add_range_to(out, start, stop)
         return out
 
     def dot(self, direction):  # linear in G_n: the sum of the parts'
