@@ -73,6 +73,29 @@ def test_autocast_takes_the_layers_rules_and_matches_the_oracle_within_its_round
     assert output["GradNorm"] == pytest.approx(norms, rel=8 * eps)
 
 
+@pytest.mark.parametrize("batch_size", [2, 12])
+def test_a_transformer_under_bf16_autocast_keeps_module_local_routes_and_matches_the_oracle(batch_size):
+    """GPT-2 with its tied embedding: bf16 rounds the engine's checking passes by 2^-8, which must
+    not read as samples that interact (it sent every LayerNorm and embedding to the whole graph)."""
+    from any_models import TOKENS, VOCAB, hf_gpt2, token_losses
+
+    torch.manual_seed(0)
+    model = hf_gpt2(layers=2, width=16, heads=2)
+    tokens = torch.randint(0, VOCAB, (batch_size, TOKENS), generator=torch.Generator().manual_seed(2))
+    tracked = [quantities.NormTest(EVERY), quantities.GradNorm(EVERY)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a whole-graph route warns
+        cockpit = _tracked(model, tokens, tokens, tracked, losses_of=lambda out: token_losses(out.float(), tokens), autocast=torch.bfloat16)
+    assert not [route for route in cockpit.routes().values() if "whole" in route]
+    twin = copy.deepcopy(model).double()
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: token_losses(m(a), b), tokens, tokens))
+    output = cockpit.get_output()[0]
+    # bf16 operands in every product: agreement to a few of its eps, not float32's.
+    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_bfloat16_model_is_not_rejected_for_rounding_its_losses(seed):
     model = _mlp().to(torch.bfloat16)

@@ -378,7 +378,8 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     gradients weighted sample by sample, unless a sample's loss reaches another sample's
     outputs (samples that interact, samples not along the dimension taken for them, a call
     shared by every sample). The passes keep only a few sums per sample and call (their
-    fingerprints), not the gradients. Exact but for a random combination that cancels."""
+    fingerprints), not the gradients. Exact but for a combination that cancels, or samples
+    that interact only with samples of the same weight (for more than 8 samples)."""
     n = losses.shape[0]
     if reference is None:
         capture.arm(_fingerprint)
@@ -386,8 +387,12 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
         _, reference = capture.disarm()
     else:
         reference = [(call, [_fingerprint(call, g, i) for i, g in enumerate(grads)]) for call, grads in reference]
-    weights = 1 + torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    weights = weights.to(device=losses.device, dtype=losses.dtype)
+    # Powers of two: scaling by one commutes exactly with rounding, so a call whose samples are
+    # apart gets its gradients scaled exactly, whatever precision the backward pass runs in
+    # (bf16 autocast rounds to 2^-8: random weights left a few of its eps there, checked against
+    # float32's). Distinct for up to 8 samples, so no two samples that interact share one weight.
+    exponents = torch.randperm(n, generator=torch.Generator().manual_seed(0)) % 8
+    weights = torch.ldexp(torch.ones(n, dtype=torch.float64), exponents).to(device=losses.device, dtype=losses.dtype)
     capture.arm(_fingerprint)
     torch.autograd.grad(losses, inputs, weights * grad_outputs, retain_graph=True, allow_unused=True)
     _, weighted = capture.disarm()
