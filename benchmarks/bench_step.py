@@ -130,8 +130,9 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def time_run(model_name, cockpit_factory, steps, seed=0):
-    """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
+def tracked_problem(model_name, cockpit_factory, seed=0):
+    """``(cockpit, step)`` of a benchmark problem on ``SETTINGS["device"]``: ``step(i)`` trains on
+    one of four fixed batches under the cockpit ``cockpit_factory`` makes (None: a plain step)."""
     torch.manual_seed(seed)
     model, input_shape, n = build(model_name)
     device = SETTINGS["device"]
@@ -146,8 +147,12 @@ def time_run(model_name, cockpit_factory, steps, seed=0):
             (torch.randn(n, *input_shape, generator=data).to(device), torch.randint(0, 10, (n,), generator=data).to(device))
             for _ in range(4)
         ]
-    step = training_step(model, model.parameters(), cockpit, lambda i: batches[i % len(batches)])
+    return cockpit, training_step(model, model.parameters(), cockpit, lambda i: batches[i % len(batches)])
 
+
+def time_run(model_name, cockpit_factory, steps, seed=0):
+    """Seconds per step of ``steps`` SGD steps (plus reading the output) under a cockpit or none."""
+    cockpit, step = tracked_problem(model_name, cockpit_factory, seed)
     step(0)  # warm-up: allocations, first-call costs, Distance's reference copy
     synchronize()
     start = time.perf_counter()

@@ -33,20 +33,11 @@ def main():
     from cockpit_fast.cockpit import Cockpit
     from cockpit_fast.utils import configuration, schedules
 
-    torch.manual_seed(0)
-    model, input_shape, n = bench_step.build(args.model)
-    model = bench_step.extend(model.to(args.device))
-    cockpit = None
+    factory = None
     if args.case != "plain":
-        cockpit = Cockpit(
-            model.parameters(), bench_step.make_quantities(args.case, quantities, configuration, schedules)
-        )
-    if input_shape is None:
-        tokens = bench_step.GPT2_SIZES[args.gpt2_size][3]
-        batch = (torch.randint(0, bench_step.GPT2_VOCAB, (n, tokens)).to(args.device), None)
-    else:
-        batch = (torch.randn(n, *input_shape).to(args.device), torch.randint(0, 10, (n,)).to(args.device))
-    step = bench_step.training_step(model, model.parameters(), cockpit, lambda i: batch)
+        make = bench_step.make_quantities
+        factory = lambda params: Cockpit(params, make(args.case, quantities, configuration, schedules))  # noqa: E731
+    cockpit, step = bench_step.tracked_problem(args.model, factory)
     for i in range(2):  # warm-up
         step(i)
     bench_step.synchronize()
