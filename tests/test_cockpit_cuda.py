@@ -24,6 +24,12 @@ def sync_debug(mode):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def step_sync_debug(step, mode="error"):
+    """Sync-debug ``mode`` around tracked step ``step``, except the first: it reads on the host,
+    once (how the model's calls treat the samples, that info's loss is a mean); later ones must not."""
+    return sync_debug(mode if step > 0 else "default")
+
+
 # economy without bin adaptation (adapting bins needs the range on the host by design), and the
 # 2D histogram, the statistic with the most kernel work per value.
 QUANTITIES = {
@@ -51,9 +57,7 @@ def tracked_run(device, sync_debug_mode, quantities, steps=4, batch_size=16):
             loss_fn=loss_fn,
             cockpit=cockpit,
             step=step,
-            # After the first tracked step, a tracked step must not sync. The first reads on the
-            # host, once: how the model's calls treat the samples, and that info's loss is a mean.
-            backward_context=sync_debug(sync_debug_mode if step > 0 else "default"),
+            backward_context=step_sync_debug(step, sync_debug_mode),
         )
     return cockpit.get_output()
 
@@ -63,7 +67,6 @@ def test_tracked_steps_do_not_synchronise_and_match_the_cpu(quantities):
     on_gpu = tracked_run("cuda", "error", quantities)
     on_cpu = tracked_run("cpu", "default", quantities)
     assert_same_output(on_gpu, on_cpu, rtol=1e-3, atol=1e-5, max_count_diff=3)
-
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16_autocast"])
@@ -81,7 +84,7 @@ def test_a_language_models_tracked_steps_do_not_synchronise(bf16):
         with autocast:
             training_step(
                 model, opt, (tokens, tokens), token_losses, cockpit=cockpit, step=step,
-                backward_context=sync_debug("error" if step > 0 else "default"),
+                backward_context=step_sync_debug(step),
             )
     output = cockpit.get_output()
     assert sorted(output) == [0, 1, 2] and all(row["NormTest"] > 0 for row in output.values())
