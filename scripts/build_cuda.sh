@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$(cd "$VENV" && pwd)/bin/python"
 "$PY" -m pip install --disable-pip-version-check -q --upgrade pip wheel "setuptools<81"
-"$PY" -m pip install --disable-pip-version-check -q "$TORCH_SPEC" numpy ninja
+"$PY" -m pip install --disable-pip-version-check --no-cache-dir -q "$TORCH_SPEC" numpy ninja
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

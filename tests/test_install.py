@@ -159,7 +159,8 @@ def run(command, cwd, **kwargs):
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
     """A new venv with this torch version, numpy and ninja (parallel compiles), a copy of the
-    source tree, and a folder outside both to run from."""
+    source tree, and a folder outside both to run from; removed afterwards (it holds a torch
+    install, over a gigabyte, and CI's later CUDA stage needs the disk)."""
     root = tmp_path_factory.mktemp("install")
     source = root / "source"
     for name in SOURCES:
@@ -176,7 +177,8 @@ def fresh_venv(tmp_path_factory):
     assert installed.returncode == 0, installed.stderr
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
-    return python, source, elsewhere
+    yield python, source, elsewhere
+    shutil.rmtree(root)
 
 
 @pytest.mark.install
