@@ -693,7 +693,9 @@ class _TrackedBackward:
         if self._pass is not None:
             step, self._pass = self._pass, None
             keyed = {id(plan.params[index]): grad for index, grad in grads.items()}
-            self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale))
+            only_pass = last and not self._statistics.micro_batches and plan.group is None and self._grads is not None
+            final = {index: grad.detach() for index, grad in grads.items()} if only_pass else None
+            self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale), final)
         if self._reads_micro:
             self._given = self._given._replace(
                 squared_norms=[grads[i].double().square().sum() if i in grads else None for i in range(len(plan.params))]

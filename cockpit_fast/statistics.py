@@ -504,12 +504,21 @@ class StepStatistics:
         """The statistics dropped for the step (none unless :attr:`dropped`)."""
         return self._at_end if self.dropped else set()
 
-    def add(self, forms):
-        """One micro-batch's per-sample gradients, ``{id(param): form}``."""
+    def add(self, forms, grads=None):
+        """One micro-batch's per-sample gradients, ``{id(param): form}``.
+
+        ``grads`` (indexed like the parameters): the step's gradient, where this micro-batch is
+        the step's only one and nothing reduces its gradient later. Then every statistic is
+        computed now, those that read the gradient in the same pass over each form as the rest
+        (later, a dot product with factors costs a weight-gradient product)."""
         self.micro_batches += 1
         # Not used by this backward pass: per_param() will say so.
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self.samples += max((form.batch_size for _, _, form in found), default=0)
+        if grads is not None:
+            self._compute(found, self._now | self._at_end, self.batch_size or self.samples, grads)
+            self._now, self._at_end = self._now | (self._at_end - self._waiting), set()  # later() yields the rest
+            return
         self._compute(found, self._now, self.batch_size)
         if self._at_end and not self.dropped:
             self._kept.append(found)

@@ -13,6 +13,7 @@ from torch import nn
 
 from any_models import flat, gradient_tests, oracle_grads
 from cockpit_fast import Cockpit, quantities
+from cockpit_fast.per_sample.grads import FactoredGrads
 from cockpit_fast.utils.configuration import configuration
 
 EVERY = staticmethod(lambda step: True)
@@ -98,6 +99,36 @@ def test_economy_over_micro_batches_equals_one_backward_pass_on_their_union(size
     one_pass = _one_pass(_model(), steps, scaling, tracked).get_output()
     _assert_same_output(accumulated, one_pass)
     assert {"Alpha", "InnerTest", "OrthoTest", "NormTest", "GradHist1d", "Loss"} <= set(accumulated[1])
+
+
+class _Tokens(nn.Module):
+    """Linear layers over positions: each sample's weight gradient is a sum of outer products
+    (no closed-form histogram), so a histogram forms the per-sample gradients."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.out = nn.Linear(FEATURES, 16), nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        positions = torch.stack([x, x.flip(1), x.roll(1, 1)], 1)  # (N, 3, FEATURES)
+        return self.out(torch.tanh(self.inner(positions))).mean(1)
+
+
+def test_a_single_pass_reads_its_dot_products_from_the_formed_gradients_equal_to_the_factors(monkeypatch):
+    """A step of one backward pass knows its gradient when the pass ends: its dot products with
+    it come out of the pass that forms the per-sample gradients for the histogram. Over micro-
+    batches they wait for the step's gradient and come from the factors: the same numbers."""
+    steps = _batches([6, 6], steps=2, seed=5)
+    tracked = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    accumulated = _accumulated(_Tokens(), steps, "mean", tracked).get_output()
+    factor_dots = []
+    original = FactoredGrads.dot
+    monkeypatch.setattr(FactoredGrads, "dot", lambda self, d: factor_dots.append(d) or original(self, d))
+    one_pass = _one_pass(_Tokens(), steps, "mean", tracked).get_output()
+    assert factor_dots == []
+    _assert_same_output(one_pass, accumulated, rel=1e-4)
+    assert {"InnerTest", "OrthoTest", "NormTest", "GradHist1d"} <= set(one_pass[1])
 
 
 @pytest.mark.parametrize("sizes, scaling", [([4, 4], "mean"), ([5, 2, 4], "sum"), ([5, 2, 4], "mean")])
