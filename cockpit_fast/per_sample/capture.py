@@ -258,7 +258,7 @@ class Capture:
             return None
         sample_dim = 1 if time_first else 0
         replaced = None
-        if self._shared_lookup(module, args, output, sample_dim):
+        if shared.is_shared_lookup(module, args, output, sample_dim, self._batch):
             # Positions looked up once, (1, T), and broadcast over the samples: the output, expanded
             # (a view), takes each sample's gradient, and the expansion sums them as broadcasting did.
             replaced = output.expand(self._batch, *output.shape[1:])
@@ -284,19 +284,6 @@ class Capture:
         else:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
         return replaced
-
-    def _shared_lookup(self, module, args, output, sample_dim):
-        """An embedding looking up ids of shape (1, T) after the forward pass showed N > 1 samples."""
-        ids = args[0] if args else None
-        return (
-            isinstance(module, torch.nn.Embedding)
-            and sample_dim == 0
-            and self._batch > 1
-            and isinstance(ids, torch.Tensor)
-            and ids.dim() == 2
-            and ids.shape[0] == 1
-            and isinstance(output, torch.Tensor)
-        )
 
     @property
     def root(self):

@@ -30,6 +30,22 @@ CALL_TAG = "cockpit_fast_calls"
 """Key of a backward node's metadata: weak references to the calls whose output it made."""
 
 
+def is_shared_lookup(module, args, output, sample_dim, batch_size):
+    """Whether the call is an embedding looking up ids of shape (1, T) (positions) after the
+    forward pass showed ``batch_size`` > 1 samples: its output is broadcast over them, and the
+    capture expands it to the batch (a view) so that it takes each sample's gradient."""
+    ids = args[0] if args else None
+    return (
+        isinstance(module, torch.nn.Embedding)
+        and sample_dim == 0
+        and batch_size > 1
+        and isinstance(ids, torch.Tensor)
+        and ids.dim() == 2
+        and ids.shape[0] == 1
+        and isinstance(output, torch.Tensor)
+    )
+
+
 def frontiers(root, calls, batch_size):
     """``{call: [(node, chain)] or None}`` for the ``calls`` whose output is in the graph of
     ``root`` (a backward node): the broadcasting adds its output reaches through nodes that
