@@ -190,16 +190,14 @@ class Linearized:
         self._wanted = set(wanted)
         self._kept, self._kept_values = {}, 0  # (id(form), start, stop, name) -> gradients not handed out yet
 
-    def vjp(self, cotangents, fresh=False, form=None, start=0):
+    def vjp(self, cotangents, fresh=False, along=None):
         """``{name: (c, *shape)}``: ``J^T`` of each of the ``(c, *tensor shape)`` cotangents
-        (``fresh``: the caller's to overwrite; ``form``: theirs, samples from ``start``, for
-        the closed forms the vjp may read)."""
+        (``fresh``: the caller's to overwrite; ``along``: their :meth:`WeightNormVjp.along`,
+        where known, for the closed form)."""
         converted = cotangents.to(self.tensor.dtype)
         if converted.shape[0] == 0:
             return {name: p.new_zeros(0, *p.shape) for name, p in zip(self.names, self.inputs)}
         if self._closed_vjp is not None:
-            along = self._closed_vjp.along(form) if form is not None else None
-            along = along[start : start + len(converted)] if along is not None else None
             return self._closed_vjp(converted, fresh or converted is not cotangents, along)
         cotangents = converted
         grad = lambda c, batched: torch.autograd.grad(  # noqa: E731
@@ -220,7 +218,8 @@ class Linearized:
         if kept is not None:
             self._kept_values -= kept.numel()
             return kept  # handed out once: its caller may change it in place
-        found = self.vjp(form.dense_range(start, stop), form.FRESH_RANGES, form, start)
+        along = self._closed_vjp.along(form) if self._closed_vjp is not None else None
+        found = self.vjp(form.dense_range(start, stop), form.FRESH_RANGES, None if along is None else along[start:stop])
         for other, values in found.items():
             if other != name and other in self._wanted and self._kept_values + values.numel() <= grads.CHUNK_VALUES:
                 self._kept[(id(form), start, stop, other)] = values
