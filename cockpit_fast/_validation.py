@@ -281,6 +281,39 @@ def hist1d_batch_l2_batch_dots_args(g, directions, bins, range, hist_scale, scal
     return (*binning_1d(op, bins, range, g.dtype), hist_scale, scale)
 
 
+def factored_hist1d_batch_l2_batch_dots_args(left, right, directions, bins, range, hist_scale, scale):
+    """Factors left (N, T, p) and right (N, T, q) of G[n] = left[n]^T right[n]; directions (k, p, q)."""
+    op = "factored_hist1d_batch_l2_batch_dots"
+    for name, t in (("left", left), ("right", right)):
+        check_tensor(op, t, name)
+        if t.dim() != 3:
+            raise ValueError(f"cockpit_fast.{op}: {name} must be a 3-d (N, T, features) tensor, got a {t.dim()}-d tensor")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"cockpit_fast.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if right.device != left.device:
+        raise ValueError(f"cockpit_fast.{op}: left is on {left.device} but right is on {right.device}")
+    if right.dtype != left.dtype:
+        raise ValueError(f"cockpit_fast.{op}: left is {left.dtype} but right is {right.dtype}")
+    if tuple(right.shape[:2]) != tuple(left.shape[:2]):
+        raise ValueError(
+            f"cockpit_fast.{op}: left and right must have the same (N, T), got {list(left.shape[:2])} and {list(right.shape[:2])}"
+        )
+    scale = check_scale(op, scale, left.dtype)
+    hist_scale = check_scale(op, hist_scale, left.dtype, "hist_scale")
+    check_tensor(op, directions, "directions")
+    if directions.device != left.device:
+        raise ValueError(f"cockpit_fast.{op}: left is on {left.device} but directions is on {directions.device}")
+    if directions.dtype != left.dtype:
+        raise ValueError(f"cockpit_fast.{op}: left is {left.dtype} but directions is {directions.dtype}")
+    p, q = left.shape[2], right.shape[2]
+    if directions.dim() != 3 or tuple(directions.shape[1:]) != (p, q):
+        raise ValueError(
+            f"cockpit_fast.{op}: directions must have shape (k, left.shape[2], right.shape[2]) = (k, {p}, {q}), "
+            f"got {list(directions.shape)}"
+        )
+    return (*binning_1d(op, bins, range, left.dtype), hist_scale, scale)
+
+
 def per_sample_stats_args(g, scale, p_values):
     scale = grad_args("per_sample_stats", g, scale)
     return scale, check_p_values("per_sample_stats", p_values, g.dtype)

@@ -157,6 +157,27 @@ def hist1d_batch_l2_batch_dots(g, directions, bins=100, range=(-2.0, 2.0), hist_
     )
 
 
+def factored_hist1d_batch_l2_batch_dots(left, right, directions, bins=100, range=(-2.0, 2.0), hist_scale=1.0, scale=1.0):
+    """:func:`hist1d_batch_l2_batch_dots` of the per-sample gradients ``G[n] = left[n]^T right[n]``.
+
+    ``left`` (N, T, p) and ``right`` (N, T, q) are a weight gradient's factors summed over T
+    positions (a Linear layer's output gradients and inputs); ``directions`` has shape (k, p, q).
+    Returns the histogram of ``hist_scale * G``, the squared norms of ``scale * G[n]``, and (N, k)
+    dots against each direction, as ``hist1d_batch_l2_batch_dots(torch.bmm(left.transpose(1, 2),
+    right), directions, ...)`` gives them.
+
+    On the CPU the (N, p, q) chunk is never written to memory: each task forms a row block of one
+    G[n] with a GEMM into a small buffer and bins and sums it while it is in cache. The GEMM rounds
+    its own way: sums agree with the formed route's to rounding, and counts differ only for values
+    within rounding of a bin edge. On CUDA the kernel forms the chunk with one batched GEMM and
+    runs :func:`hist1d_batch_l2_batch_dots`'s kernel over it (device memory is fast enough).
+    """
+    if _use_reference():
+        return reference.factored_hist1d_batch_l2_batch_dots(left, right, directions, bins, range, hist_scale, scale)
+    args = v.factored_hist1d_batch_l2_batch_dots_args(left, right, directions, bins, range, hist_scale, scale)
+    return _OPS.factored_hist1d_batch_l2_batch_dots.default(left, right, directions, *args)
+
+
 def per_sample_stats(g, scale=1.0, p_values=()):
     """Rows of max, min, mean, M2, max|x|, sum|x|^p per sample; see :mod:`cockpit_fast.stats`."""
     if _use_reference():
@@ -227,6 +248,12 @@ def _register_fake_kernels():
     def _(g, directions, bins, lo, hi, hist_scale, scale):
         v.hist1d_batch_l2_batch_dots_args(g, directions, bins, (lo, hi), hist_scale, scale)
         return g.new_empty((bins,), dtype=torch.int64), acc(g, g.shape[0]), acc(g, g.shape[0], directions.shape[0])
+
+    @torch.library.register_fake("cockpit_fast::factored_hist1d_batch_l2_batch_dots")
+    def _(left, right, directions, bins, lo, hi, hist_scale, scale):
+        v.factored_hist1d_batch_l2_batch_dots_args(left, right, directions, bins, (lo, hi), hist_scale, scale)
+        n, k = left.shape[0], directions.shape[0]
+        return left.new_empty((bins,), dtype=torch.int64), acc(left, n), acc(left, n, k)
 
     @torch.library.register_fake("cockpit_fast::per_sample_stats")
     def _(g, scale, p_values):

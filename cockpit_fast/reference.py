@@ -102,6 +102,16 @@ def hist1d_batch_l2_batch_dots(g, directions, bins=100, range=(-2.0, 2.0), hist_
 
 
 @torch.no_grad()
+def factored_hist1d_batch_l2_batch_dots(left, right, directions, bins=100, range=(-2.0, 2.0), hist_scale=1.0, scale=1.0):
+    """hist1d_batch_l2_batch_dots of G = left^T right per sample, formed with one bmm in the input dtype."""
+    bins, lo, hi, hist_scale, scale = v.factored_hist1d_batch_l2_batch_dots_args(
+        left, right, directions, bins, range, hist_scale, scale
+    )
+    g = torch.bmm(left.transpose(1, 2), right)
+    return hist1d_batch_l2_batch_dots(g, directions, bins, (lo, hi), hist_scale, scale)
+
+
+@torch.no_grad()
 def per_sample_stats(g, scale=1.0, p_values=()):
     """One row per sample: max, min, mean, M2, max|x|, then sum |x|^p per p (see cockpit_fast.stats)."""
     scale, p_values = v.per_sample_stats_args(g, scale, p_values)

@@ -597,15 +597,40 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
             values[statistic] = value
     if from_chunks:
         parts = defaultdict(list)
-        for chunk in form.chunks():
-            if chunk.dtype != param.dtype and param.is_floating_point():
-                chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
-            chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)
-            for statistic, value in _from_grad_batch(chunk_hot, from_chunks).items():
+        for range_values in _unformed(hot, from_chunks) or _chunk_values(index, param, form, from_chunks, grad, route, batch_size):
+            for statistic, value in range_values.items():
                 parts[statistic].append(value)
         for statistic in from_chunks:
             values[statistic] = statistic.merge(parts[statistic])
     return values
+
+
+def _chunk_values(index, param, form, statistics, grad, route, batch_size):
+    """Each chunk of formed gradients' ``{statistic: value}``, in sample order."""
+    for chunk in form.chunks():
+        if chunk.dtype != param.dtype and param.is_floating_point():
+            chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
+        chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)
+        yield _from_grad_batch(chunk_hot, statistics)
+
+
+def _unformed(hot, statistics):
+    """Each sample range's ``{statistic: value}`` where the form bins its gradients without writing
+    them (a weight's factors over several positions) and the statistics are one histogram's, the
+    squared norms' and dot products' (``economy``); else None."""
+    hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
+    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    if len(hists) != 1 or set(statistics) - {*hists, *dots, BATCH_L2}:
+        return None
+    hist = hists[0]
+    directions = [s.direction(hot) for s in dots]
+    binned = hot.form.binned_ranges(directions, hist.bins, hist.range, hot.batch_size, hot.param.dtype)
+    if binned is None:
+        return None
+    return [
+        {hist: counts, **({BATCH_L2: l2} if BATCH_L2 in statistics else {}), **{s: products[:, j] for j, s in enumerate(dots)}}
+        for counts, l2, products in binned
+    ]
 
 
 def _closed_form_cost(statistic):

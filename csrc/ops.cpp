@@ -13,7 +13,7 @@ namespace {
 constexpr const char* kOps[] = {"batch_l2",  "sum_grad_squared",  "batch_l2_and_sum_grad_squared",
                                 "hist1d",    "hist2d",            "batch_dot",
                                 "per_sample_stats", "outer_hist1d", "outer_hist2d",
-                                "hist1d_batch_l2_batch_dots"};
+                                "hist1d_batch_l2_batch_dots", "factored_hist1d_batch_l2_batch_dots"};
 
 // The ops are statistics with no gradient: below autograd, so that their results never require
 // grad, as the Python twins' (torch.no_grad) do not, and nothing records a backward that does
@@ -36,6 +36,9 @@ TORCH_LIBRARY(cockpit_fast, m) {
   m.def(
       "hist1d_batch_l2_batch_dots(Tensor g, Tensor directions, int bins, float lo, float hi, "
       "float hist_scale, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "factored_hist1d_batch_l2_batch_dots(Tensor left, Tensor right, Tensor directions, int bins, "
+      "float lo, float hi, float hist_scale, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("per_sample_stats(Tensor g, float scale, float[] p_values) -> Tensor");
   m.def("outer_hist1d(Tensor left, Tensor right, int bins, float lo, float hi, float scale) -> Tensor");
   m.def(

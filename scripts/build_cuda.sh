@@ -29,7 +29,8 @@ echo "== compiling the CUDA build with $("$CUDA_HOME/bin/nvcc" --version | tail 
 import torch, cockpit_fast
 assert cockpit_fast.has_extension() and cockpit_fast.has_cuda_kernels(), "CUDA kernels missing"
 ops = ["batch_l2", "sum_grad_squared", "batch_l2_and_sum_grad_squared", "hist1d", "hist2d", "batch_dot",
-       "per_sample_stats", "outer_hist1d", "outer_hist2d", "hist1d_batch_l2_batch_dots"]
+       "per_sample_stats", "outer_hist1d", "outer_hist2d", "hist1d_batch_l2_batch_dots",
+       "factored_hist1d_batch_l2_batch_dots"]
 for op in ops:
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cockpit_fast::{op}", "CUDA"), op
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cockpit_fast::{op}", "CPU"), op

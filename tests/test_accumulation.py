@@ -131,6 +131,25 @@ def test_a_single_pass_reads_its_dot_products_from_the_formed_gradients_equal_to
     assert {"InnerTest", "OrthoTest", "NormTest", "GradHist1d"} <= set(one_pass[1])
 
 
+def test_economy_bins_a_layers_factors_over_positions_without_forming_its_gradients(monkeypatch):
+    """A Linear layer over positions has no closed-form histogram: economy's histogram, norms and
+    dot products come from its factors by the fused op, no per-sample gradient written to memory,
+    and equal those of the formed gradients."""
+    steps = _batches([12], steps=2, seed=6)
+    tracked = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    with monkeypatch.context() as formed_route:
+        formed_route.setattr(FactoredGrads, "binned_ranges", lambda *args: None)
+        formed = _one_pass(_Tokens(), steps, "mean", tracked).get_output()
+
+    def no_forming(*args):
+        raise AssertionError("a per-sample gradient was formed")
+
+    monkeypatch.setattr(FactoredGrads, "dense_range", no_forming)
+    unformed = _one_pass(_Tokens(), steps, "mean", tracked).get_output()
+    _assert_same_output(unformed, formed, rel=1e-5)
+    assert {"InnerTest", "OrthoTest", "NormTest", "GradHist1d", "Alpha"} <= set(unformed[0]) | set(unformed[1])
+
+
 @pytest.mark.parametrize("sizes, scaling", [([4, 4], "mean"), ([5, 2, 4], "sum"), ([5, 2, 4], "mean")])
 def test_the_gradient_tests_match_float64_per_sample_gradients_of_the_union(sizes, scaling):
     steps = _batches(sizes, steps=1, seed=3)

@@ -20,6 +20,7 @@ from conftest import DEVICES, assert_rejects, random_grad, random_param
 
 def all_ops(g, param):
     l2, sgs = ops.batch_l2_and_sum_grad_squared(g, 4.0)
+    outer = param.flatten()[:, None] * param.flatten()[None, :]
     return (
         l2,
         sgs,
@@ -30,6 +31,7 @@ def all_ops(g, param):
         ops.batch_dot(g, param, 4.0),
         ops.per_sample_stats(g, 4.0, [1.0, 2.0]),
         *ops.hist1d_batch_l2_batch_dots(g, torch.stack([param, -param]), 30, (-1.0, 1.0), 4.0, 2.0),
+        *ops.factored_hist1d_batch_l2_batch_dots(g.flatten(1)[:, None], g.flatten(1)[:, None], torch.stack([outer, -outer]), 30, (-1.0, 1.0), 4.0, 2.0),
     )
 
 
@@ -110,6 +112,9 @@ def every_op_with_scale(g, param, scale, bins=6, lo=-1.0, hi=1.0):
         "outer_hist1d": lambda m: m.outer_hist1d(g, g, 5 * bins, (lo, hi), scale),
         "outer_hist2d": lambda m: m.outer_hist2d(g, g, param.expand(2, 2).contiguous(), (bins, bins + 1), xy_range, scale),
         "hist1d_batch_l2_batch_dots": lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 5 * bins, (lo, hi), scale, scale),
+        "factored_hist1d_batch_l2_batch_dots": lambda m: m.factored_hist1d_batch_l2_batch_dots(
+            g[:, None], g[:, None], param.expand(2, 2)[None], 5 * bins, (lo, hi), scale, scale
+        ),
     }
 
 
@@ -187,6 +192,11 @@ def bad_arguments():
         ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0,)), r"range must be a pair \(lo, hi\)"),
         ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0, 1.0), None), "hist_scale must be a real number, got None"),
         ("hist1d_batch_l2_batch_dots", lambda m: m.hist1d_batch_l2_batch_dots(g, param[None], 10, (0.0, 1.0), 1.0, "2"), "scale must be a real number, got '2'"),
+        ("factored_hist1d_batch_l2_batch_dots", lambda m: m.factored_hist1d_batch_l2_batch_dots(None, g[None], square[None]), "left must be a tensor, got NoneType"),
+        ("factored_hist1d_batch_l2_batch_dots", lambda m: m.factored_hist1d_batch_l2_batch_dots(g, g, square[None]), r"left must be a 3-d \(N, T, features\) tensor"),
+        ("factored_hist1d_batch_l2_batch_dots", lambda m: m.factored_hist1d_batch_l2_batch_dots(g[None], g[None], square), r"directions must have shape \(k, left.shape\[2\], right.shape\[2\]\) = \(k, 2, 2\)"),
+        ("factored_hist1d_batch_l2_batch_dots", lambda m: m.factored_hist1d_batch_l2_batch_dots(g[None], g[None], square[None], False), "bins must be a positive integer, got False"),
+        ("factored_hist1d_batch_l2_batch_dots", lambda m: m.factored_hist1d_batch_l2_batch_dots(g[None], g[None], square[None], 10, (0.0, 1.0), "2"), "hist_scale must be a real number"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, None), "p_values must be a tuple or list of numbers, got None"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, 2.0), "p_values must be a tuple or list of numbers"),
         ("per_sample_stats", lambda m: m.per_sample_stats(g, 1.0, [True]), "a p value must be a real number, got True"),
@@ -286,6 +296,8 @@ def direct_calls_with_bad_values():
         (lambda g, p: torch.ops.cockpit_fast.batch_dot(g, p[:1], 1.0), "direction must have shape"),
         (lambda g, p: torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots(g, p, 10, -1.0, 1.0, 1.0, 1.0), "directions must have shape"),
         (lambda g, p: torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots(g, p[None], 10, -1.0, 1.0, math.inf, 1.0), "hist_scale must be finite"),
+        (lambda g, p: torch.ops.cockpit_fast.factored_hist1d_batch_l2_batch_dots(g[:, None], g[:, None], p[None], 10, -1.0, 1.0, 1.0, 1.0), "directions must have shape"),
+        (lambda g, p: torch.ops.cockpit_fast.factored_hist1d_batch_l2_batch_dots(g[:, None], g[:1, None], p[None, None], 10, -1.0, 1.0, 1.0, 1.0), r"same \(N, T\)"),
         (lambda g, p: torch.ops.cockpit_fast.per_sample_stats(g, 1.0, [-1.0]), "p values must be finite and > 0"),
         (lambda g, p: torch.ops.cockpit_fast.outer_hist1d(g, g[:1], 10, -1.0, 1.0, 1.0), "same number of samples"),
         (lambda g, p: torch.ops.cockpit_fast.outer_hist2d(g, g, p, 10, 10, -1.0, 1.0, -1.0, 1.0, 1.0), "param must have shape"),
@@ -319,3 +331,4 @@ def test_results_never_require_grad():
     torch.library.opcheck(torch.ops.cockpit_fast.hist2d.default, (g, param, 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
     torch.library.opcheck(torch.ops.cockpit_fast.outer_hist2d.default, (g, g, param.expand(2, 2), 3, 4, -1.0, 1.0, -1.0, 1.0, 2.0))
     torch.library.opcheck(torch.ops.cockpit_fast.hist1d_batch_l2_batch_dots.default, (g, param[None], 10, -1.0, 1.0, 2.0, 2.0))
+    torch.library.opcheck(torch.ops.cockpit_fast.factored_hist1d_batch_l2_batch_dots.default, (g[:, None], g[:, None], param.expand(2, 2)[None], 10, -1.0, 1.0, 2.0, 2.0))

@@ -84,12 +84,22 @@ class PerSampleGrads:
         """The mini-batch gradient ``sum_n G_n``."""
         return sum(chunk.sum(0) for chunk in self.chunks())
 
-    def chunks(self, size=None):
-        """Dense gradients ``(c, *shape)`` of ``size`` consecutive samples at a time (the last
-        chunk may be smaller); by default as many as :data:`CHUNK_VALUES` allows."""
+    def ranges(self, size=None):
+        """``(start, stop)`` of ``size`` consecutive samples at a time (the last range may be
+        smaller); by default as many as :data:`CHUNK_VALUES` allows."""
         size = size or samples_per_chunk(self.formed_per_sample)
-        for start in range(0, self.batch_size, size) or [0]:  # no samples: one empty chunk
-            yield self.dense_range(start, min(start + size, self.batch_size))
+        return [(start, min(start + size, self.batch_size)) for start in range(0, self.batch_size, size)] or [(0, 0)]
+
+    def chunks(self, size=None):
+        """Dense gradients ``(c, *shape)`` of each of :meth:`ranges` (no samples: one empty chunk)."""
+        for start, stop in self.ranges(size):
+            yield self.dense_range(start, stop)
+
+    def binned_ranges(self, directions, bins, range, hist_scale, dtype):
+        """:func:`cockpit_fast.ops.hist1d_batch_l2_batch_dots` of each of :meth:`ranges` against
+        the list of ``directions``, without writing the gradients to memory; None where the form
+        cannot, or holds them in another dtype than ``dtype``."""
+        return None
 
     @property
     def formed_per_sample(self):
@@ -261,6 +271,16 @@ class FactoredGrads(PerSampleGrads):
         if not self.is_outer_product:
             return None
         return ops.outer_hist1d(self.left[:, 0], self.right[:, 0], bins, range, scale)
+
+    def binned_ranges(self, directions, bins, range, hist_scale, dtype):
+        if self.left.dtype != dtype:  # formed in a layer's autocast dtype: the chunks convert it
+            return None
+        shape = (self.left_size, self.right_size)
+        directions = torch.stack([d.reshape(shape) for d in directions]) if directions else self.left.new_empty(0, *shape)
+        return [
+            ops.factored_hist1d_batch_l2_batch_dots(self.left[start:stop], self.right[start:stop], directions, bins, range, hist_scale)
+            for start, stop in self.ranges()
+        ]
 
     def hist2d(self, param, bins, range, scale):
         if not self.is_outer_product:

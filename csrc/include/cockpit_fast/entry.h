@@ -101,6 +101,55 @@ inline Hist1dBatchL2BatchDotsArgs hist1d_batch_l2_batch_dots_args(const at::Tens
           at::zeros({rows.size(0), k}, accumulation_options(g))};
 }
 
+// hist1d_batch_l2_batch_dots of per-sample gradients G[n] = left[n]^T right[n] (p, q), given as
+// their factors left (N, T, p) and right (N, T, q); directions (k, p, q). Contiguous factors and
+// directions, outputs as hist1d_batch_l2_batch_dots_args gives them.
+struct FactoredHist1dBatchL2BatchDotsArgs {
+  at::Tensor left, right, directions, counts, l2, dots;
+};
+
+inline FactoredHist1dBatchL2BatchDotsArgs factored_hist1d_batch_l2_batch_dots_args(
+    const at::Tensor& left, const at::Tensor& right, const at::Tensor& directions, int64_t bins,
+    double lo, double hi, double hist_scale, double scale) {
+  const char* op = "factored_hist1d_batch_l2_batch_dots";
+  for (const at::Tensor* t : {&left, &right}) {
+    const char* name = t == &left ? "left" : "right";
+    TORCH_CHECK_VALUE(t->dim() == 3, "cockpit_fast.", op, ": ", name,
+                      " must be a 3-d (N, T, features) tensor, got a ", t->dim(), "-d tensor");
+    const auto dtype = t->scalar_type();
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                          dtype == at::kBFloat16,
+                      "cockpit_fast.", op, ": ", name,
+                      " must be float16, bfloat16, float32 or float64, got ", dtype);
+  }
+  TORCH_CHECK_VALUE(right.device() == left.device(), "cockpit_fast.", op, ": left is on ",
+                    left.device(), " but right is on ", right.device());
+  TORCH_CHECK_VALUE(right.scalar_type() == left.scalar_type(), "cockpit_fast.", op, ": left is ",
+                    left.scalar_type(), " but right is ", right.scalar_type());
+  TORCH_CHECK_VALUE(right.size(0) == left.size(0) && right.size(1) == left.size(1), "cockpit_fast.",
+                    op, ": left and right must have the same (N, T), got ", left.sizes().slice(0, 2),
+                    " and ", right.sizes().slice(0, 2));
+  check_scale(op, scale, left.scalar_type());
+  check_scale(op, hist_scale, left.scalar_type(), "hist_scale");
+  TORCH_CHECK_VALUE(directions.device() == left.device(), "cockpit_fast.", op, ": left is on ",
+                    left.device(), " but directions is on ", directions.device());
+  TORCH_CHECK_VALUE(directions.scalar_type() == left.scalar_type(), "cockpit_fast.", op,
+                    ": left is ", left.scalar_type(), " but directions is ",
+                    directions.scalar_type());
+  const int64_t p = left.size(2), q = right.size(2);
+  TORCH_CHECK_VALUE(directions.dim() == 3 && directions.size(1) == p && directions.size(2) == q,
+                    "cockpit_fast.", op, ": directions must have shape (k, left.shape[2], "
+                    "right.shape[2]) = (k, ", p, ", ", q, "), got ", directions.sizes());
+  check_bins(op, bins, "");
+  check_cells(op, bins);
+  check_range(op, lo, hi, bins, left.scalar_type(), "");
+  const int64_t n = left.size(0), k = directions.size(0);
+  return {left.contiguous(), right.contiguous(), directions.contiguous(),
+          at::zeros({bins}, left.options().dtype(at::kLong)),
+          at::zeros({n}, accumulation_options(left)),
+          at::zeros({n, k}, accumulation_options(left))};
+}
+
 // Rows start as the summary of no values, which is also what an empty row must report.
 struct PerSampleStatsArgs {
   at::Tensor rows, stats;
