@@ -8,8 +8,9 @@ of the individual gradients (Cockpit's GradHist1d, in ``economy``) has to bin ev
 N x P values, and where T > 1 form them first (one batched product with T-long inner
 dimension, bounded by writing its output). Printed: ns per element of each of those, measured
 here side by side, the matrix products' rate, and the floor they set on a tracked step's time
-over a plain one's, ``1 + (formation + binning) / plain``, per T. No Python overhead, norm or
-dot product is counted: a floor, not a prediction.
+over a plain one's, ``1 + (formation + binning) / plain``, per T; and the same with
+``factored_hist1d_batch_l2_batch_dots``, which forms and bins in cache (nothing written). Python
+overhead is not counted: a floor for the layer, not a prediction for a model.
 """
 
 import argparse
@@ -55,17 +56,23 @@ def main():
     print(f"matrix product (N*32 x {p} @ {p} x {q}): {gemm_rate / 1e9:.1f} GFLOP/s")
     print(f"ns per element: hist1d {1e9 * binning:.2f}, hist1d + batch_l2 + 2 dots {1e9 * fused:.2f}, "
           f"outer_hist1d (T = 1, not formed) {1e9 * outer:.2f}, a copy (read + write) {1e9 * copy:.2f}")
-    print(f"{'T':>4} {'plain ns/elem':>14} {'formation':>10} {'binning':>8} {'floor x plain':>14}")
+    print(f"{'T':>4} {'plain ns/elem':>14} {'formation':>10} {'binning':>8} {'floor x plain':>14} {'in cache':>9} {'floor':>6}")
     for t in args.positions:
         plain = 6 * t / gemm_rate  # 2 T flops per pass, three passes
+        left_t, right_t = torch.randn(n, t, p) * 0.1, torch.randn(n, t, q) * 0.1
+        factored = median_seconds(
+            lambda: ops.factored_hist1d_batch_l2_batch_dots(left_t, right_t, directions.view(2, p, q), 100, (-2.0, 2.0), n)
+        ) / elements
         if t == 1:
             formation, binned = 0.0, outer
         else:
-            left_t, right_t = torch.randn(n, t, p), torch.randn(n, t, q)
             formation = median_seconds(lambda: left_t.transpose(1, 2) @ right_t) / elements
             binned = fused
         floor = 1 + (formation + binned) / plain
-        print(f"{t:>4} {1e9 * plain:>14.2f} {1e9 * formation:>10.2f} {1e9 * binned:>8.2f} {floor:>13.2f}x")
+        print(
+            f"{t:>4} {1e9 * plain:>14.2f} {1e9 * formation:>10.2f} {1e9 * binned:>8.2f} {floor:>13.2f}x"
+            f" {1e9 * factored:>9.2f} {1 + factored / plain:>5.2f}x"
+        )
 
 
 if __name__ == "__main__":
