@@ -12,25 +12,17 @@ per-repeat ratios formed / factored. Inputs as Cockpit sees them: G ~ 1 / N, bin
 into 100 bins over (-2, 2).
 """
 
-import argparse
 import os
 import statistics
-import time
 
 import torch
 
-import cockpit_fast
 from cockpit_fast import ops
+
+from bench_hist1d_batch_l2_batch_dots import op_benchmark_arguments, seconds_per_call  # noqa: E402
 
 SHAPES = [(32, 32, 128, 384), (32, 32, 128, 512), (32, 32, 512, 128), (32, 64, 128, 128), (16, 1, 256, 784)]
 BINS, RANGE = 100, (-2.0, 2.0)
-
-
-def seconds_per_call(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
 
 
 def time_shape(shape, repeats, calls):
@@ -69,19 +61,7 @@ def time_shape(shape, repeats, calls):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="interleaved repeats per shape")
-    parser.add_argument("--calls", type=int, default=10, help="calls timed per repeat")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    if not cockpit_fast.has_extension():
-        raise SystemExit("cockpit_fast._C is not built: the benchmark would time the reference ops")
-    torch.set_num_threads(args.threads)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32, {BINS} bins, "
-        f"2 directions; load average {os.getloadavg()}"
-    )
-    print(f"median of {args.repeats} interleaved repeats of {args.calls} calls; ms per call")
+    args = op_benchmark_arguments(__doc__.splitlines()[0], repeats=15, calls=10)
     print(f"{'(N, T, p, q)':20} {'G MB':>6} {'factored':>9} {'formed':>8} {'bmm':>8} {'formed / factored':>18}")
     for shape in SHAPES:
         medians, ratio = time_shape(shape, args.repeats, args.calls)

@@ -98,13 +98,13 @@ def time_steps(name, steps):
     return {variant: 1e3 * statistics.median(found) for variant, found in times.items()}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21, help="interleaved repeats per chunk")
-    parser.add_argument("--calls", type=int, default=20, help="calls timed per repeat")
+def op_benchmark_arguments(description, repeats, calls, parser=None):
+    """The fused ops' benchmarks' command line (``--repeats``, ``--calls``, ``--threads``), applied
+    and printed with the load; stops where the extension is not built."""
+    parser = parser or argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats per input")
+    parser.add_argument("--calls", type=int, default=calls, help="calls timed per repeat")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--families", nargs="*", default=["gpt2", "llama", "bert", "vit"], help="tracked steps of")
-    parser.add_argument("--steps", type=int, default=12, help="interleaved steps per variant")
     args = parser.parse_args()
     if not cockpit_fast.has_extension():
         raise SystemExit("cockpit_fast._C is not built: the benchmark would time the reference ops")
@@ -114,6 +114,14 @@ def main():
         f"2 directions; load average {os.getloadavg()}"
     )
     print(f"median of {args.repeats} interleaved repeats of {args.calls} calls; ms per call")
+    return args
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=["gpt2", "llama", "bert", "vit"], help="tracked steps of")
+    parser.add_argument("--steps", type=int, default=12, help="interleaved steps per variant")
+    args = op_benchmark_arguments(None, repeats=21, calls=20, parser=parser)
     print(f"{'chunk (N, *param)':20} {'MB':>6} {'fused':>8} {'separate':>9} {'hist1d':>8} {'separate / fused':>17}")
     for shape in CHUNKS:
         medians, ratio = time_chunk(shape, args.repeats, args.calls)

@@ -123,14 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> factored_hist1d_batch_l2_batch_do
             args.left, args.right, args.directions, bins, lo, hi, hist_scale, scale, args.counts,
             args.l2, args.dots);
       };
-      const int64_t k = args.directions.size(0);
-      if (k == 0) {
-        kernel(std::integral_constant<int, 0>{});
-      } else if (k == 1) {
-        kernel(std::integral_constant<int, 1>{});
-      } else {
-        kernel(std::integral_constant<int, 2>{});
-      }
+      with_directions_in_loop(args.directions.size(0), kernel);
     });
   }
   return {args.counts, args.l2, args.dots};

@@ -107,14 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hist1d_batch_l2_batch_dots_cpu(
         hist1d_batch_l2_batch_dots_kernel<decltype(directions_in_loop)::value, scalar_t>(
             args.rows, args.directions, bins, lo, hi, hist_scale, scale, args.counts, args.l2, args.dots);
       };
-      const int64_t k = args.directions.size(0);
-      if (k == 0) {
-        kernel(std::integral_constant<int, 0>{});
-      } else if (k == 1) {
-        kernel(std::integral_constant<int, 1>{});
-      } else {
-        kernel(std::integral_constant<int, 2>{});
-      }
+      with_directions_in_loop(args.directions.size(0), kernel);
     });
   }
   return {args.counts, args.l2, args.dots};

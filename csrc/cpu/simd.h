@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cockpit_fast/arithmetic.h"
 
@@ -90,6 +91,19 @@ COCKPIT_FAST_SIMD_CLONES acc_t dot_tile(const scalar_t* x, const scalar_t* d, in
   acc_t total = 0;
   for (int k = 0; k < kLanes; ++k) total += lanes[k];
   return total;
+}
+
+// Calls kernel(std::integral_constant<int, min(k, 2)>{}): how many of k directions
+// hist1d_square_dot_tile takes in its loop (dot_tile takes the rest).
+template <typename Kernel>
+void with_directions_in_loop(int64_t k, const Kernel& kernel) {
+  if (k == 0) {
+    kernel(std::integral_constant<int, 0>{});
+  } else if (k == 1) {
+    kernel(std::integral_constant<int, 1>{});
+  } else {
+    kernel(std::integral_constant<int, 2>{});
+  }
 }
 
 // hist1d_batch_l2_batch_dots on one batch_dot tile x[0..len) of a sample (len <= kDotTileColumns),

@@ -62,13 +62,14 @@ inline void check_grad(const char* op, const at::Tensor& g, double scale) {
   check_scale(op, scale, dtype);
 }
 
-// The two factors (N, p) and (N, q) of per-sample outer products: same N, dtype and device.
-inline void check_factors(const char* op, const at::Tensor& left, const at::Tensor& right,
-                          double scale) {
+// Two factors of per-sample gradients, `dims`-d (`layout` names the dimensions), floating
+// point, on one device in one dtype.
+inline void check_factor_pair(const char* op, const at::Tensor& left, const at::Tensor& right,
+                              int64_t dims, const char* layout) {
   for (const at::Tensor* t : {&left, &right}) {
     const char* name = t == &left ? "left" : "right";
-    TORCH_CHECK_VALUE(t->dim() == 2, "cockpit_fast.", op, ": ", name,
-                      " must be a 2-d (N, features) tensor, got a ", t->dim(), "-d tensor");
+    TORCH_CHECK_VALUE(t->dim() == dims, "cockpit_fast.", op, ": ", name, " must be a ", dims, "-d ",
+                      layout, " tensor, got a ", t->dim(), "-d tensor");
     const auto dtype = t->scalar_type();
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
                           dtype == at::kBFloat16,
@@ -79,6 +80,12 @@ inline void check_factors(const char* op, const at::Tensor& left, const at::Tens
                     left.device(), " but right is on ", right.device());
   TORCH_CHECK_VALUE(right.scalar_type() == left.scalar_type(), "cockpit_fast.", op, ": left is ",
                     left.scalar_type(), " but right is ", right.scalar_type());
+}
+
+// The two factors (N, p) and (N, q) of per-sample outer products: same N, dtype and device.
+inline void check_factors(const char* op, const at::Tensor& left, const at::Tensor& right,
+                          double scale) {
+  check_factor_pair(op, left, right, 2, "(N, features)");
   TORCH_CHECK_VALUE(right.size(0) == left.size(0), "cockpit_fast.", op,
                     ": left and right must have the same number of samples, got ", left.size(0),
                     " and ", right.size(0));

@@ -112,20 +112,7 @@ inline FactoredHist1dBatchL2BatchDotsArgs factored_hist1d_batch_l2_batch_dots_ar
     const at::Tensor& left, const at::Tensor& right, const at::Tensor& directions, int64_t bins,
     double lo, double hi, double hist_scale, double scale) {
   const char* op = "factored_hist1d_batch_l2_batch_dots";
-  for (const at::Tensor* t : {&left, &right}) {
-    const char* name = t == &left ? "left" : "right";
-    TORCH_CHECK_VALUE(t->dim() == 3, "cockpit_fast.", op, ": ", name,
-                      " must be a 3-d (N, T, features) tensor, got a ", t->dim(), "-d tensor");
-    const auto dtype = t->scalar_type();
-    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                          dtype == at::kBFloat16,
-                      "cockpit_fast.", op, ": ", name,
-                      " must be float16, bfloat16, float32 or float64, got ", dtype);
-  }
-  TORCH_CHECK_VALUE(right.device() == left.device(), "cockpit_fast.", op, ": left is on ",
-                    left.device(), " but right is on ", right.device());
-  TORCH_CHECK_VALUE(right.scalar_type() == left.scalar_type(), "cockpit_fast.", op, ": left is ",
-                    left.scalar_type(), " but right is ", right.scalar_type());
+  check_factor_pair(op, left, right, 3, "(N, T, features)");
   TORCH_CHECK_VALUE(right.size(0) == left.size(0) && right.size(1) == left.size(1), "cockpit_fast.",
                     op, ": left and right must have the same (N, T), got ", left.sizes().slice(0, 2),
                     " and ", right.sizes().slice(0, 2));
