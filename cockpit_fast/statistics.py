@@ -597,7 +597,8 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
             values[statistic] = value
     if from_chunks:
         parts = defaultdict(list)
-        for range_values in _unformed(hot, from_chunks) or _chunk_values(index, param, form, from_chunks, grad, route, batch_size):
+        unformed = _unformed(hot, from_chunks) if route != "grad_batch" else None  # that route reads formed gradients
+        for range_values in unformed or _chunk_values(index, param, form, from_chunks, grad, route, batch_size):
             for statistic, value in range_values.items():
                 parts[statistic].append(value)
         for statistic in from_chunks:
