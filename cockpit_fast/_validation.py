@@ -135,14 +135,13 @@ def check_directions(op, g, directions):
         )
 
 
-def check_factors(op, left, right, scale):
-    """Factors (N, p) and (N, q) of per-sample outer products: 2-d, float, same N, dtype, device."""
+def check_factor_pair(op, left, right, dims, layout):
+    """Two factors of per-sample gradients: ``dims``-d (``layout`` names the dimensions), float,
+    on one device in one dtype."""
     for name, t in (("left", left), ("right", right)):
         check_tensor(op, t, name)
-        if t.dim() != 2:
-            raise ValueError(
-                f"cockpit_fast.{op}: {name} must be a 2-d (N, features) tensor, got a {t.dim()}-d tensor"
-            )
+        if t.dim() != dims:
+            raise ValueError(f"cockpit_fast.{op}: {name} must be a {dims}-d {layout} tensor, got a {t.dim()}-d tensor")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"cockpit_fast.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
@@ -151,6 +150,11 @@ def check_factors(op, left, right, scale):
         raise ValueError(f"cockpit_fast.{op}: left is on {left.device} but right is on {right.device}")
     if right.dtype != left.dtype:
         raise ValueError(f"cockpit_fast.{op}: left is {left.dtype} but right is {right.dtype}")
+
+
+def check_factors(op, left, right, scale):
+    """Factors (N, p) and (N, q) of per-sample outer products: 2-d, float, same N, dtype, device."""
+    check_factor_pair(op, left, right, 2, "(N, features)")
     if right.shape[0] != left.shape[0]:
         raise ValueError(
             f"cockpit_fast.{op}: left and right must have the same number of samples, "
@@ -284,16 +288,7 @@ def hist1d_batch_l2_batch_dots_args(g, directions, bins, range, hist_scale, scal
 def factored_hist1d_batch_l2_batch_dots_args(left, right, directions, bins, range, hist_scale, scale):
     """Factors left (N, T, p) and right (N, T, q) of G[n] = left[n]^T right[n]; directions (k, p, q)."""
     op = "factored_hist1d_batch_l2_batch_dots"
-    for name, t in (("left", left), ("right", right)):
-        check_tensor(op, t, name)
-        if t.dim() != 3:
-            raise ValueError(f"cockpit_fast.{op}: {name} must be a 3-d (N, T, features) tensor, got a {t.dim()}-d tensor")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"cockpit_fast.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if right.device != left.device:
-        raise ValueError(f"cockpit_fast.{op}: left is on {left.device} but right is on {right.device}")
-    if right.dtype != left.dtype:
-        raise ValueError(f"cockpit_fast.{op}: left is {left.dtype} but right is {right.dtype}")
+    check_factor_pair(op, left, right, 3, "(N, T, features)")
     if tuple(right.shape[:2]) != tuple(left.shape[:2]):
         raise ValueError(
             f"cockpit_fast.{op}: left and right must have the same (N, T), got {list(left.shape[:2])} and {list(right.shape[:2])}"

@@ -619,8 +619,7 @@ def _unformed(hot, statistics):
     """Each sample range's ``{statistic: value}`` where the form bins its gradients without writing
     them (a weight's factors over several positions) and the statistics are one histogram's, the
     squared norms' and dot products' (``economy``); else None."""
-    hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
-    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    hists, dots = _fused_parts(statistics)
     if len(hists) != 1 or set(statistics) - {*hists, *dots, BATCH_L2}:
         return None
     hist = hists[0]
@@ -628,10 +627,24 @@ def _unformed(hot, statistics):
     binned = hot.form.binned_ranges(directions, hist.bins, hist.range, hot.batch_size, hot.param.dtype)
     if binned is None:
         return None
-    return [
-        {hist: counts, **({BATCH_L2: l2} if BATCH_L2 in statistics else {}), **{s: products[:, j] for j, s in enumerate(dots)}}
-        for counts, l2, products in binned
-    ]
+    return [_fused_values(statistics, hist, dots, *results) for results in binned]
+
+
+def _fused_parts(statistics):
+    """The histograms and the dot products (in an order every process shares) among ``statistics``:
+    what the fused ops compute in one pass with the squared norms."""
+    hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
+    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    return hists, dots
+
+
+def _fused_values(statistics, hist, dots, counts, l2, products):
+    """``{statistic: value}`` of a fused op's results: the squared norms where asked for alone (with
+    SUM_GRAD_SQUARED they come from the op that computes both)."""
+    values = {hist: counts, **{statistic: products[:, j] for j, statistic in enumerate(dots)}}
+    if BATCH_L2 in statistics and SUM_GRAD_SQUARED not in statistics:
+        values[BATCH_L2] = l2
+    return values
 
 
 def _closed_form_cost(statistic):
@@ -644,15 +657,12 @@ def _from_grad_batch(hot, statistics):
     """``statistics`` of ``hot.grad_batch`` in as few passes over it as the fused ops allow: a
     histogram with the squared norms and the dot products, both square norms together."""
     values = {}
-    hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
-    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    hists, dots = _fused_parts(statistics)
     if hists and (dots or BATCH_L2 in statistics):
         g, hist = hot.grad_batch, hists[0]
         directions = torch.stack([statistic.direction(hot) for statistic in dots]) if dots else g.new_empty(0, *g.shape[1:])
-        values[hist], l2, products = ops.hist1d_batch_l2_batch_dots(g, directions, hist.bins, hist.range, hot.batch_size)
-        values.update({statistic: products[:, j] for j, statistic in enumerate(dots)})
-        if BATCH_L2 in statistics and SUM_GRAD_SQUARED not in statistics:
-            values[BATCH_L2] = l2
+        results = ops.hist1d_batch_l2_batch_dots(g, directions, hist.bins, hist.range, hot.batch_size)
+        values.update(_fused_values(statistics, hist, dots, *results))
     if BATCH_L2 in statistics and SUM_GRAD_SQUARED in statistics:
         values[BATCH_L2], values[SUM_GRAD_SQUARED] = ops.batch_l2_and_sum_grad_squared(hot.grad_batch)
     for statistic in statistics:
