@@ -15,7 +15,7 @@ import any_models
 import test_any_model
 from any_models import CLASSES, VOCAB, WIDTH, class_losses, oracle_grads
 from cockpit_fast import quantities
-from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads
+from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, rules
 from cockpit_fast.per_sample.recurrent import recurrent
 
 N, STEPS, INPUT, HIDDEN, PROJECTED = 4, 6, 3, 5, 2
@@ -125,12 +125,23 @@ def _rule_forms(model, losses_of, x):
     return {name: forms[id(p)] for name, p in params.items()}
 
 
+def _without_outputs(module, args, kwargs, outputs, output_grads, sample_dim):
+    """The rule not given the call's outputs: every layer's gates computed a step at a time."""
+    return recurrent(module, args, kwargs, None, output_grads, sample_dim)
+
+
+_without_outputs.raw = True
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("outputs_given", [True, False], ids=["outputs_given", "stepwise"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("layer_name", list(LAYERS))
-def test_per_sample_gradients_match_the_reference(layer_name, layout, dtype):
+def test_per_sample_gradients_match_the_reference(monkeypatch, layer_name, layout, outputs_given, dtype):
     model, x, losses_of = _problem(layer_name, layout, dtype)
     expected = _reference(model, losses_of, x)
+    if not outputs_given:
+        monkeypatch.setitem(rules._RULES, type(model.layer), _without_outputs)
     forms = _rule_forms(model, losses_of, x)
     assert set(forms) == set(expected)
     layers = model.layer.num_layers
@@ -149,13 +160,13 @@ def test_calls_the_rule_does_not_cover_are_left_to_the_generic_route():
     unbatched = nn.GRU(INPUT, HIDDEN)
     x = torch.randn(STEPS, INPUT)
     output, _ = unbatched(x)
-    assert recurrent(unbatched, (x,), {}, [torch.ones_like(output), None], 1) is None
+    assert recurrent(unbatched, (x,), {}, None, [torch.ones_like(output), None], 1) is None
     # Dropout between layers in training mode: masks that cannot be drawn again.
     dropping = nn.LSTM(INPUT, HIDDEN, num_layers=2, dropout=0.5).train()
     x = torch.randn(STEPS, N, INPUT)
     output, _ = dropping(x)
-    assert recurrent(dropping, (x,), {}, [torch.ones_like(output), None, None], 1) is None
-    assert recurrent(dropping.eval(), (x,), {}, [torch.ones_like(output), None, None], 1) is not None
+    assert recurrent(dropping, (x,), {}, None, [torch.ones_like(output), None, None], 1) is None
+    assert recurrent(dropping.eval(), (x,), {}, None, [torch.ones_like(output), None, None], 1) is not None
 
 
 class GRUClassifier(nn.Module):

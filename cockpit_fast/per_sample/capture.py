@@ -46,6 +46,9 @@ class Call:
         self.args = tuple(detach(a) for a in args)
         self.kwargs = {k: detach(v) for k, v in (kwargs or {}).items()}
         self.output_shapes = [o.shape for o in outputs]
+        self.rule = rules.rule_for(module)
+        # A raw rule takes the call as it was, outputs too (a recurrent layer's states).
+        self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "raw", False) else None
         # Modules given sequences time-first (batch_first=False), and the modules they call,
         # keep their samples along dimension 1.
         self.sample_dim = 1 if time_first else 0
@@ -74,6 +77,7 @@ class Call:
         self.args = tuple(expand(a) for a in self.args)
         self.kwargs = {k: expand(v) for k, v in self.kwargs.items()}
         self.output_shapes = [torch.Size((n, *shape)) for shape in self.output_shapes]
+        self.outputs = None  # made once: not each sample's
         self.sample_dim, self.batch_size, self.shared, self._replayed = 0, n, True, None
 
     @property
@@ -84,7 +88,7 @@ class Call:
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
         chained = parametrized.chained_names(self.module, self.params)  # the rule's, through a parametrization
-        return rules.rule_for(self.module) is None or bool(set(self.params) - self.direct - chained)
+        return self.rule is None or bool(set(self.params) - self.direct - chained)
 
     def sample_dim_of(self, index):
         """Where the call's ``index``-th tensor output holds its samples; None where it holds
@@ -126,14 +130,13 @@ class Call:
         """``{name: form}`` of the call's parameters, given its outputs' gradients."""
         grads = [None if g is None else g.detach() for g in output_grads]
         args, grads = _in_narrowest_dtype(self.args, grads)
-        made = {}
-        rule = rules.rule_for(self.module)
+        made, rule = {}, self.rule
         # A rule reading a parametrized tensor, and the chaining, evaluate parametrizations: no new calls.
         _replaying[0] += 1
         try:
             with parametrized.evaluated_as_in_forward(self.module):
                 if rule is not None and rule.raw:
-                    made = rule(self.module, args, self.kwargs, grads, self.sample_dim) or {}
+                    made = rule(self.module, args, self.kwargs, self.outputs, grads, self.sample_dim) or {}
                 elif rule is not None and len(grads) == 1 and grads[0] is not None and args:
                     # Rules take the samples along dimension 0.
                     first = lambda t: t.movedim(self.sample_dim, 0) if isinstance(t, torch.Tensor) and t.dim() > 1 else t  # noqa: E731

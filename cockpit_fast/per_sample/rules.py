@@ -25,9 +25,10 @@ def register_rule(*module_types, raw=False):
     """File the decorated function as the rule of ``module_types`` (types, or qualified names
     such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages).
 
-    ``raw``: the rule takes the call as it was, ``rule(module, args, kwargs, output_grads,
-    sample_dim)``, every tensor output's gradient (None where one got none) and the samples
-    where the call has them (modules of several outputs or inputs, such as recurrent layers)."""
+    ``raw``: the rule takes the call as it was, ``rule(module, args, kwargs, outputs,
+    output_grads, sample_dim)``: its tensor outputs that require grad (detached; None where the
+    call was made once for every sample), their gradients (None where one got none) and where
+    the call holds its samples (modules of several outputs or inputs, such as recurrent layers)."""
 
     def register(rule):
         rule.raw = raw
