@@ -229,6 +229,8 @@ class FactoredGrads(PerSampleGrads):
 
     def dense_range(self, start, stop):
         left, right = self.left[start:stop], self.right[start:stop]
+        if self.is_outer_product:  # a product by broadcasting: a batched product of depth 1 is 3x slower
+            return torch.mul(left[:, 0, :, None], right[:, 0, None, :]).reshape(-1, *self.shape)
         return (left.transpose(1, 2) @ right).reshape(-1, *self.shape)
 
     def magnitude(self):
