@@ -6,7 +6,7 @@ by sample, or backpropagates every sample's loss through the whole graph where s
 :class:`Engine` (:mod:`.engine`) is the front door: which of these routes serves each parameter.
 """
 
-from cockpit_fast.per_sample import recurrent  # noqa: F401 (files the recurrent layers' rule)
+from cockpit_fast.per_sample import attention, recurrent  # noqa: F401 (file the attention and recurrent layers' rules)
 from cockpit_fast.per_sample.capture import Call, Capture
 from cockpit_fast.per_sample.engine import Engine
 from cockpit_fast.per_sample.generic import whole_graph_grads
