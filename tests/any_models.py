@@ -93,6 +93,23 @@ class EncoderClassifier(nn.Module):
         return self.head(self.layer(x.transpose(0, 1)).mean(0))
 
 
+class Seq2SeqTransformer(nn.Module):
+    """nn.Transformer (batch first, one encoder and one decoder layer): the decoder's
+    cross-attention reads the encoder's memory as key and value, its self-attention is causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(
+            WIDTH, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=12, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):
+        target = x.flip(1)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        return self.head(self.transformer(x, target, tgt_mask=mask, tgt_is_causal=True).mean(1))
+
+
 class AttentionClassifier(nn.Module):
     def __init__(self):
         super().__init__()
@@ -310,6 +327,11 @@ MODELS = {
     "hf_gpt2": (hf_gpt2, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
     "encoder_layer": (
         EncoderClassifier,
+        lambda n, g, d: (torch.randn(n, TOKENS, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
+    "seq2seq_transformer": (
+        Seq2SeqTransformer,
         lambda n, g, d: (torch.randn(n, TOKENS, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
         lambda out, x, y: class_losses(out, y),
     ),
