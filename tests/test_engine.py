@@ -96,6 +96,40 @@ def test_a_transformer_under_bf16_autocast_keeps_module_local_routes_and_matches
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
 
 
+class _MaskedEncoder(nn.Module):
+    """nn.TransformerEncoder (batch first) with a causal float mask and a boolean key padding
+    mask: under autocast its attention computes in bfloat16, its masks stay as given."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 3)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        padding[0, -2:] = True
+        return self.head(self.encoder(x, mask=mask, src_key_padding_mask=padding.to(x.dtype), is_causal=True).mean(1))
+
+
+def test_multihead_attention_under_bf16_autocast_keeps_its_rule_and_matches_the_oracle():
+    torch.manual_seed(0)
+    model = _MaskedEncoder()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 7, 16, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    tracked = [quantities.NormTest(EVERY), quantities.GradNorm(EVERY)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own note on the masks' two types
+        cockpit = _tracked(model, x, y, tracked, autocast=torch.bfloat16)
+    routes = set(cockpit.routes().values())
+    assert "module-local: MultiheadAttention rule" in routes and not [r for r in routes if "whole" in r or "replayed" in r]
+    g = _oracle(model, x, y)
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_bfloat16_model_is_not_rejected_for_rounding_its_losses(seed):
     model = _mlp().to(torch.bfloat16)
