@@ -110,3 +110,16 @@ def test_calls_the_rule_does_not_cover_are_left_to_the_generic_route():
     dropping = nn.MultiheadAttention(E, HEADS, dropout=0.5, batch_first=True).train()
     assert multihead_attention(dropping, (x, x, x), {}, None, grads, 0) is None
     assert multihead_attention(dropping.eval(), (x, x, x), {}, None, grads, 0) is not None
+
+
+def test_the_calls_outputs_are_kept_only_for_rules_that_read_them():
+    # Attention weights (N, L, S) per call would otherwise live until the backward pass.
+    model, x = _problem("weights_in_the_loss_no_bias", torch.float32)
+    recurrent_layer = nn.GRU(E, 4, batch_first=True)
+    capture = Capture([*model.parameters(), *recurrent_layer.parameters()])
+    out, weights = model(x)
+    states, _ = recurrent_layer(x)
+    kept = {type(call.module): call.outputs for call in capture.recent}
+    assert kept[nn.MultiheadAttention] is None
+    assert [o.shape for o in kept[nn.GRU]] == [states.shape, torch.Size((1, N, 4))]
+    del capture

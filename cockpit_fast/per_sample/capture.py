@@ -47,8 +47,8 @@ class Call:
         self.kwargs = {k: detach(v) for k, v in (kwargs or {}).items()}
         self.output_shapes = [o.shape for o in outputs]
         self.rule = rules.rule_for(module)
-        # A raw rule takes the call as it was, outputs too (a recurrent layer's states).
-        self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "raw", False) else None
+        # Kept only for a rule that reads them (a recurrent layer's states): attention weights, say, can be large.
+        self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "reads_outputs", False) else None
         # Modules given sequences time-first (batch_first=False), and the modules they call,
         # keep their samples along dimension 1.
         self.sample_dim = 1 if time_first else 0

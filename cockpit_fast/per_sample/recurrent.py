@@ -32,7 +32,7 @@ from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads
 from cockpit_fast.per_sample.rules import register_rule
 
 
-@register_rule(nn.RNN, nn.GRU, nn.LSTM, raw=True)
+@register_rule(nn.RNN, nn.GRU, nn.LSTM, raw=True, reads_outputs=True)
 def recurrent(module, args, kwargs, outputs, output_grads, sample_dim):
     """``{name: form}`` of every parameter of the layer, or None for a call it leaves to the
     generic route. The samples' dimension follows ``module.batch_first`` (``h_n`` and ``c_n``

@@ -21,17 +21,18 @@ _RULES = {}
 _RULES_BY_NAME = {}  # "module.QualName" -> rule, for classes of packages we do not import
 
 
-def register_rule(*module_types, raw=False):
+def register_rule(*module_types, raw=False, reads_outputs=False):
     """File the decorated function as the rule of ``module_types`` (types, or qualified names
     such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages).
 
     ``raw``: the rule takes the call as it was, ``rule(module, args, kwargs, outputs,
-    output_grads, sample_dim)``: its tensor outputs that require grad (detached; None where the
-    call was made once for every sample), their gradients (None where one got none) and where
-    the call holds its samples (modules of several outputs or inputs, such as recurrent layers)."""
+    output_grads, sample_dim)``: its tensor outputs that require grad (None unless
+    ``reads_outputs``: then kept, detached, until the backward pass, and None where the call was
+    made once for every sample), their gradients (None where one got none) and where the call
+    holds its samples (modules of several outputs or inputs, such as recurrent layers)."""
 
     def register(rule):
-        rule.raw = raw
+        rule.raw, rule.reads_outputs = raw, raw and reads_outputs
         for module_type in module_types:
             if isinstance(module_type, str):
                 _RULES_BY_NAME[module_type] = rule
