@@ -232,6 +232,38 @@ def _tracked_step(model, x, y, quantities_, info_losses=True, reduction="mean", 
     return cockpit.get_output()[0]
 
 
+class _SkippedSubmodule(torch.nn.Module):
+    """A block that holds a layer it never runs (as a decoder-only model keeps its cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.never_run, self.head = torch.nn.Linear(4, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.used(x)))
+
+
+@pytest.mark.parametrize("with_losses", [True, False])
+def test_parameters_of_a_submodule_never_run_get_no_per_sample_gradients(with_losses):
+    torch.manual_seed(0)
+    model = _SkippedSubmodule().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    losses_of = lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    drop = () if with_losses else ("individual_losses",)
+    everything = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.InnerTest(EVERY)])
+    with pytest.raises(RuntimeError, match=r"not computed for parameters \[2, 3\]: they got no gradient"):
+        _step(model, losses_of, x, y, everything, drop_info=drop)
+    assert everything.routes()["never_run.weight"] == "not reached"
+    model.zero_grad()
+    used = [p for name, p in model.named_parameters() if not name.startswith("never_run")]
+    cockpit = Cockpit(used, quantities=[quantities.NormTest(EVERY), quantities.InnerTest(EVERY)])
+    _step(model, losses_of, x, y, cockpit, drop_info=drop)
+    g = flat(_oracle(model, used, losses_of, x, y, {}))
+    n, mean = g.shape[0], g.mean(0)
+    norm_test = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(norm_test), rel=1e-9)
+
+
 def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():
     model, batch, _ = build("raw_use", torch.float64)
     x, y = batch(N, torch.Generator().manual_seed(1))

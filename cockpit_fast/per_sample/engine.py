@@ -130,8 +130,9 @@ class Engine:
 
         Args:
             step (_Pass): What :meth:`begin` returned.
-            grads (dict, optional): ``id(param)`` -> the gradient the backward pass gave, for the
-                sum check where :meth:`begin` could not check (no individual losses).
+            grads (dict, optional): ``id(param)`` -> the gradient the backward pass gave: the
+                parameters it did not reach get no form, and where :meth:`begin` could not check
+                (no individual losses) the sums are checked against it.
             failed (bool): The backward pass raised: only disarm.
             unscale (float): What the backward pass's gradients are multiplied by to be in the
                 units of the losses (``1 / scale`` of a ``GradScaler``); ``grads`` are already.
@@ -146,6 +147,10 @@ class Engine:
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
             return {}
+        if grads is not None:
+            # A call's parameters that its backward pass did not reach (a submodule it never ran,
+            # such as a decoder's cross-attention without an encoder) have no per-sample gradients.
+            found = {key: form for key, form in found.items() if key in grads}
         if unscale != 1.0:
             found = {key: ScaledGrads(form, unscale) for key, form in found.items()}
         if step.check:
@@ -158,7 +163,7 @@ class Engine:
                     "then take the exact route through the whole graph), or track without them"
                 )
             self._checked.update(call.module for call, _ in fired)
-        self._record_routes(fired, step.forms)
+        self._record_routes(fired, step.forms, found)
         return {**found, **step.forms}
 
     def per_sample(self, losses, scale=1.0, retain_graph=True):
@@ -219,12 +224,13 @@ class Engine:
         self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
         whole = self._whole_graph_needs(calls, tracked, batch_size, True)
         given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
+        found = {key: form for key, form in found.items() if key in given}  # as end() does
         for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given):
             self._outside[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
             whole[key] = self._outside[key]
         forms = {key: form for key, form in found.items() if key not in whole}
         forms.update(self._whole_graph(losses, tracked, whole, scale))
-        self._record_routes(fired, whole)
+        self._record_routes(fired, whole, found)
         return forms
 
     def _share(self, calls, root, batch_size, handles):
@@ -307,11 +313,12 @@ class Engine:
         floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
         return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
 
-    def _record_routes(self, fired, whole):
+    def _record_routes(self, fired, whole, found):
         routes = {}
         for call, _ in fired:
             for name, p in call.params.items():
-                routes.setdefault(id(p), call.route_of(name))
+                if id(p) in found:
+                    routes.setdefault(id(p), call.route_of(name))
         for key in whole:
             routes[key] = "whole graph"
         self._routes = routes
