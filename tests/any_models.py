@@ -235,6 +235,18 @@ def hf_llama():
     return _LogitsOnly(transformers.LlamaForCausalLM(config))
 
 
+def hf_mamba(use_cache=False):
+    """A Hugging Face Mamba (selective state space, torch's slow path on the CPU): its mixer reads
+    its own parameters (A_log, D) and its convolution's weight directly, so it is replayed."""
+    import transformers
+
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=3,
+        time_step_rank=4, use_cache=use_cache,
+    )
+    return _LogitsOnly(transformers.MambaForCausalLM(config))
+
+
 def hf_t5():
     """A Hugging Face T5 encoder-decoder: its relative-attention-bias table is looked up once
     per forward pass and shared by every sample."""
@@ -377,6 +389,7 @@ MODELS = {
         lambda out, x, y: class_losses(out, y),
     ),
     "hf_llama": (hf_llama, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
+    "hf_mamba": (hf_mamba, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
     "hf_t5": (hf_t5, lambda n, g, d: (_tokens(n, g), None), lambda out, x, y: token_losses(out, x)),
     "extended_unknown_layers": (
         extended_unknown_layers,

@@ -264,6 +264,18 @@ def test_parameters_of_a_submodule_never_run_get_no_per_sample_gradients(with_lo
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(norm_test), rel=1e-9)
 
 
+def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
+    from any_models import VOCAB, hf_mamba, token_losses
+
+    torch.manual_seed(0)
+    model = hf_mamba(use_cache=True).double().eval()  # eval: Mamba then makes a cache in its forward pass
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.raises(RuntimeError, match=r"in MambaMixer come from replaying its call, which was handed a \w*Cache "
+                       r"that it fills as it runs.*use_cache = False"):
+        _step(model, lambda m, a, b: token_losses(m(a), a), tokens, None, cockpit)
+
+
 def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():
     model, batch, _ = build("raw_use", torch.float64)
     x, y = batch(N, torch.Generator().manual_seed(1))

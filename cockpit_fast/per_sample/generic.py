@@ -112,9 +112,16 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
                     cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
                     rows.append(one_sample(one, cot))
             except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
+                where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
+                caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
+                if caches:  # Hugging Face's key/value or state caches: the call filled them as it ran
+                    raise RuntimeError(
+                        f"{where}, which was handed a {' and a '.join(caches)} that it fills as it runs, so it cannot "
+                        "be run again: train without the cache (model.config.use_cache = False, or use_cache=False "
+                        "in the model's call)"
+                    ) from again
                 raise RuntimeError(
-                    f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying "
-                    f"its call with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
+                    f"{where} with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
                     "the module (cockpit_fast.per_sample.register_rule) or track without these parameters"
                 ) from again
             return {name: torch.stack([row[name] for row in rows]) for name in params}
