@@ -270,10 +270,40 @@ def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
     torch.manual_seed(0)
     model = hf_mamba(use_cache=True).double().eval()  # eval: Mamba then makes a cache in its forward pass
     tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    losses_of = lambda m, a, b: token_losses(m(a), a)  # noqa: E731
+    said = r"in MambaMixer come from replaying its call, which was handed a \w*Cache that it fills as it runs.*use_cache = False"
     cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
-    with pytest.raises(RuntimeError, match=r"in MambaMixer come from replaying its call, which was handed a \w*Cache "
-                       r"that it fills as it runs.*use_cache = False"):
+    with pytest.raises(RuntimeError, match=said):  # without the losses no other route is exact
+        _step(model, losses_of, tokens, None, cockpit, drop_info=("individual_losses",))
+    model.zero_grad()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match=said):  # with them its parameters take the whole graph
+        _step(model, losses_of, tokens, None, cockpit)
+    assert cockpit.get_output()[0]["NormTest"] > 0
+
+
+def test_hf_mixtral_experts_that_cannot_be_replayed_take_the_whole_graph_and_match_a_pass_per_sample():
+    import transformers
+
+    from any_models import VOCAB, _LogitsOnly, token_losses
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=16, max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = _LogitsOnly(transformers.MixtralForCausalLM(config))  # float32: its grouped products take no float64
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    losses = token_losses(model(tokens), tokens)
+    params = list(model.parameters())
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match="its call cannot be replayed sample by sample"):
         _step(model, lambda m, a, b: token_losses(m(a), a), tokens, None, cockpit)
+    assert "whole graph" in set(cockpit.routes().values())
+    n, mean = g.shape[0], g.double().mean(0)
+    expected = (((g.double() ** 2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(expected), rel=1e-4)
 
 
 def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():
@@ -530,7 +560,7 @@ def test_reentrant_activation_checkpointing_is_a_clear_error(dropout):
         collector(losses_of(model, x, y))
 
 
-def test_a_call_torch_func_cannot_replay_is_a_clear_error():
+def test_a_call_torch_func_cannot_replay_takes_the_whole_graph_or_is_a_clear_error():
     class Opaque(torch.autograd.Function):  # no setup_context: torch.func cannot transform it
         @staticmethod
         def forward(ctx, x, w):
@@ -551,5 +581,18 @@ def test_a_call_torch_func_cannot_replay_is_a_clear_error():
         def forward(self, x):
             return self.head(Opaque.apply(x, self.scale))
 
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    # Without the individual losses there is no other exact route: the replay's error, naming it.
     with pytest.raises(RuntimeError, match="scale in Scaled come from replaying its call with torch.func, which fails"):
-        _tracked_step(Scaled(), torch.randn(N, 4), torch.randint(0, 3, (N,)), [quantities.NormTest(EVERY)])
+        _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
+    # With them the first step's checks send its parameters to the whole graph, saying why.
+    model.zero_grad()
+    with pytest.warns(RuntimeWarning, match=r"\(scale\) takes the whole-graph route .* its call cannot be replayed sample by sample"):
+        output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
+    losses = _cross_entropy("none")(model(x), y)  # torch.func cannot differentiate Opaque: a backward pass per sample
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]) for loss in losses])
+    n, mean = g.shape[0], g.mean(0)
+    expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
+    assert output["NormTest"] == pytest.approx(float(expected), rel=1e-9)

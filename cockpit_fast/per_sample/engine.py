@@ -61,7 +61,7 @@ class Engine:
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
         self._guessed = weakref.WeakSet()  # modules whose rows the proof showed sample-major (routed.regroup)
-        self._outside = {}  # id(param) -> why it takes the whole graph (a failed sum check)
+        self._whole_only = {}  # id(param) -> why it always takes the whole graph (found by the first checks)
         self._unused = set()  # ids of parameters the checks' backward pass did not reach
         self._routes = {}  # id(param) -> its route at the last step
         self._warned = set()
@@ -225,9 +225,13 @@ class Engine:
         whole = self._whole_graph_needs(calls, tracked, batch_size, True)
         given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
         found = {key: form for key, form in found.items() if key in given}  # as end() does
-        for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given):
-            self._outside[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
-            whole[key] = self._outside[key]
+        unreplayable = {}
+        for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given, unreplayable):
+            self._whole_only[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
+            whole[key] = self._whole_only[key]
+        for key, error in unreplayable.items():
+            self._whole_only[key] = f"its call cannot be replayed sample by sample ({error})"
+            whole[key] = self._whole_only[key]
         forms = {key: form for key, form in found.items() if key not in whole}
         forms.update(self._whole_graph(losses, tracked, whole, scale))
         self._record_routes(fired, whole, found)
@@ -265,8 +269,8 @@ class Engine:
             if why is not None:
                 needs.update(dict.fromkeys(ids, why))
         for p in tracked:
-            if id(p) in self._outside:
-                needs.setdefault(id(p), self._outside[id(p)])
+            if id(p) in self._whole_only:
+                needs.setdefault(id(p), self._whole_only[id(p)])
             elif id(p) not in covered and id(p) not in self._unused and (has_losses or self._resumed):
                 # (unused ones: per_param() tells)
                 why = (
@@ -305,11 +309,21 @@ class Engine:
         """The tensors the graph holds for ``params`` (under FSDP2 the unsharded ones)."""
         return [self.capture.unsharded.in_graph(p) for p in params]
 
-    def _sums_wrong(self, forms, grads):
-        """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``)."""
+    def _sums_wrong(self, forms, grads, unreplayable=None):
+        """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``).
+        ``unreplayable`` (a dict): where given, the forms that fail to be formed (a replay that
+        cannot run) go there, ``id -> the error's first line``, instead of raising."""
         # The user's hooks change each sample's gradient, so theirs are not checked.
         pairs = {key: (form, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)}
-        magnitudes = {key: form.magnitude() for key, (form, _) in pairs.items()}
+        magnitudes = {}
+        for key, (form, _) in pairs.items():
+            try:
+                magnitudes[key] = form.magnitude()
+            except RuntimeError as error:
+                if unreplayable is None:
+                    raise
+                unreplayable[key] = (str(error).splitlines() or [""])[0]
+        pairs = {key: pair for key, pair in pairs.items() if key in magnitudes}
         floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
         return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
 
