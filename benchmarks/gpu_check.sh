@@ -33,7 +33,7 @@ run() {  # run NAME LIMIT COMMAND...: logs to $OUT/NAME.txt, the end shown, fail
   echo "== $name: exit $rc"
   [ $rc -eq 0 ] || failed=1
 }
-OP_TESTS=$(ls tests/test_{square_norms,hist1d,hist2d,batch_dot,per_sample_stats,outer_hist1d,outer_hist2d,hist1d_batch_l2_batch_dots,ops_contract}.py)
+OP_TESTS=$(ls tests/test_{square_norms,hist1d,hist2d,batch_dot,per_sample_stats,outer_hist1d,outer_hist2d,hist1d_batch_l2_batch_dots,factored_hist1d_batch_l2_batch_dots,ops_contract}.py)
 
 for stage in "$@"; do
   case $stage in

@@ -96,6 +96,62 @@ def test_a_transformer_under_bf16_autocast_keeps_module_local_routes_and_matches
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
 
 
+class _UpcastLinear(nn.Module):
+    """A layer without a rule that computes in autocast's dtype and returns float32 (as HF's GPT-2
+    MLP hands its Conv1D a float32 GELU output on a GPU): its parameters' gradients are rounded in
+    bfloat16, while every tensor the capture sees is float32."""
+
+    def __init__(self, features_in, features_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features_in, features_out) / features_in**0.5)
+        self.bias = nn.Parameter(torch.randn(features_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight).float()
+
+
+def test_a_call_computing_in_autocasts_dtype_but_returning_float32_is_checked_at_that_precision():
+    """The sum check's tolerance is that of the least precise dtype a call computed in: autocast's
+    bfloat16 rounding of the layer's gradient is no sign of a use outside the layer (it sent every
+    HF Conv1D bias of GPT-2 to the whole graph under bf16 autocast on a GPU)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), _UpcastLinear(16, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a whole-graph route warns
+        cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY), quantities.GradNorm(EVERY)], autocast=torch.bfloat16)
+    assert cockpit.routes()["2.bias"] == "module-local: _UpcastLinear replayed with torch.func"
+    g = _oracle(model, x, y)
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=0.05)
+
+
+def test_a_functional_use_outside_its_layer_under_autocast_still_takes_the_whole_graph():
+    """The tolerance autocast adds scales with each entry's own terms: a bias added again outside
+    its layer still fails the check and takes the whole graph, exact."""
+    torch.manual_seed(0)
+
+    class Reused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.head = nn.Linear(5, 16), _UpcastLinear(16, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.first(x))) + 4.0 * self.head.bias
+
+    model = Reused()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    with pytest.warns(RuntimeWarning, match="head.bias"):
+        cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY), quantities.GradNorm(EVERY)], autocast=torch.bfloat16)
+    assert cockpit.routes()["head.bias"] == "whole graph"
+    g = _oracle(model, x, y)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+
+
 class _MaskedEncoder(nn.Module):
     """nn.TransformerEncoder (batch first) with a causal float mask and a boolean key padding
     mask: under autocast its attention computes in bfloat16, its masks stay as given."""

@@ -13,6 +13,7 @@ applied twice, weights tied across modules) add up.
 The hook on the outputs holds the inputs: they live as long as the graph does, no longer.
 """
 
+import contextlib
 import weakref
 from collections import defaultdict
 
@@ -60,6 +61,9 @@ class Call:
         else:
             self.batch_size = first.shape[self.sample_dim] if first.dim() > self.sample_dim else first.shape[0]
         self.values = params  # what a replay computes with: the tensors the call used
+        # Autocast as the call ran: its replays run under it too, and its gradients were rounded there.
+        self.autocast = _autocast_state(outputs[0].device.type)
+        self.computed_in = _least_precise(args, outputs, self.autocast)
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's
@@ -116,11 +120,12 @@ class Call:
         if self._replayed is None or self._replayed[0] != (start, stop):
             _replaying[0] += 1
             try:
-                values = replay_grads(
-                    self.module, self.values, self.args, self.kwargs,
-                    [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
-                    self.sample_dim, self.batch_size, start, stop,
-                )
+                with torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext():
+                    values = replay_grads(
+                        self.module, self.values, self.args, self.kwargs,
+                        [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
+                        self.sample_dim, self.batch_size, start, stop,
+                    )
             finally:
                 _replaying[0] -= 1
             self._replayed = ((start, stop), values)
@@ -162,6 +167,29 @@ def _in_narrowest_dtype(args, grads):
         return args, grads
     cast = lambda t: t.to(narrowest) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     return tuple(cast(a) for a in args), [cast(g) for g in grads]
+
+
+def least_precise(dtypes):
+    """The floating dtype of the largest machine epsilon among ``dtypes`` (None where none)."""
+    return max((d for d in dtypes if d is not None), key=lambda d: torch.finfo(d).eps, default=None)
+
+
+def _autocast_state(device):
+    """``(device, dtype, enabled)`` as autocast stands for ``device`` now (None where the device
+    has no autocast: meta tensors)."""
+    try:
+        return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return None
+
+
+def _least_precise(args, outputs, autocast):
+    """The least precise dtype a call computed in: its floating tensors', or autocast's where it
+    was on (its gradient is rounded there, whatever dtype the call returns)."""
+    dtypes = [t.dtype for t in (*args, *outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if autocast is not None and autocast[2]:
+        dtypes.append(autocast[1])
+    return least_precise(dtypes)
 
 
 def _broadcast(t, n):
@@ -339,17 +367,19 @@ class Capture:
         if self._keep is not None or not forms:  # fingerprints, or a pass that failed: no forms
             self._keep = None
             return {}, fired
-        parts = defaultdict(list)
+        parts, computed_in = defaultdict(list), defaultdict(list)
         for call, grads in fired:
             if all(id(p) in skip for p in call.params.values()):
                 continue
             for name, form in call.forms(grads).items():
                 parts[id(call.params[name])].append(form)
+                computed_in[id(call.params[name])].append(call.computed_in)
         forms = {}
         for key, found in parts.items():
             if key in skip:
                 continue
             form = combine(found)
+            form.computed_in = least_precise(computed_in[key])
             if key in self.hooked:
                 form = HookedGrads(form, list(self._tracked[key]._backward_hooks.values()))
             forms[key] = form

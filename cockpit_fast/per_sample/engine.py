@@ -30,13 +30,13 @@ import weakref
 import torch
 
 from cockpit_fast.per_sample import routed, shared
-from cockpit_fast.per_sample.capture import Capture, mixed_calls
+from cockpit_fast.per_sample.capture import Capture, least_precise, mixed_calls
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
 SUM_CHECK_SLACK = 16
 """The sum check allows ``SUM_CHECK_SLACK * eps * s``: ``s`` the absolute values of the terms
-summed, ``eps`` the machine epsilon of the less precise of the two sums' dtypes."""
+summed, ``eps`` the machine epsilon of the less precise of the two sums' dtypes (:func:`adds_up`)."""
 
 
 class Engine:
@@ -393,18 +393,27 @@ def _sample_losses(losses):
 
 
 def adds_up(form, grad, magnitude, floor=0.0):
-    """Whether ``form``'s per-sample gradients add up to ``grad`` within what rounding explains:
-    ``SUM_CHECK_SLACK * eps`` times the absolute values summed (``magnitude``, the form's
-    :meth:`~.grads.PerSampleGrads.magnitude`), entry by entry, and at least times ``floor``:
-    the largest such sum in the model, for entries whose terms were summed before the form
-    saw them (a bias's over positions) and cancel (a key projection's bias, zero in exact
-    arithmetic, is rounding noise of the model's gradient). Entries that are not finite in
-    both agree (a sample's NaN is its own)."""
+    """Whether ``form``'s per-sample gradients add up to ``grad`` within what rounding explains,
+    entry by entry: ``SUM_CHECK_SLACK`` times
+
+    * the machine epsilon of the two sums' dtypes times the absolute values summed
+      (``magnitude``, the form's :meth:`~.grads.PerSampleGrads.magnitude`), and at least times
+      ``floor``: the largest such sum in the model, for entries whose terms were summed before
+      the form saw them (a bias's over positions) and cancel (a key projection's bias, zero in
+      exact arithmetic, is rounding noise of the model's gradient);
+    * plus, where the calls computed in a less precise dtype (autocast's), its epsilon times
+      ``magnitude``: the parameter's gradient was rounded there once more.
+
+    Entries that are not finite in both agree (a sample's NaN is its own)."""
     summed = form.grad
-    eps = max(torch.finfo(summed.dtype).eps, torch.finfo(grad.dtype).eps)
-    wide = torch.promote_types(torch.promote_types(summed.dtype, grad.dtype), torch.float32)
-    summed, grad = summed.to(wide), grad.to(wide)
-    tolerance = SUM_CHECK_SLACK * eps * magnitude.to(wide).clamp(min=floor) + torch.finfo(wide).tiny
+    summed_in = least_precise([summed.dtype, grad.dtype])
+    wide = torch.promote_types(summed_in, torch.float32)
+    summed, grad, magnitude = summed.to(wide), grad.to(wide), magnitude.to(wide)
+    computed_in = least_precise([summed_in, form.computed_in])
+    rounding = torch.finfo(summed_in).eps * magnitude.clamp(min=floor)
+    if computed_in != summed_in:
+        rounding = rounding + torch.finfo(computed_in).eps * magnitude
+    tolerance = SUM_CHECK_SLACK * rounding + torch.finfo(wide).tiny
     agree = ((summed - grad).abs() <= tolerance) | (~summed.isfinite() & ~grad.isfinite())
     return bool(agree.all())
 

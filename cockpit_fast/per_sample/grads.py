@@ -79,6 +79,11 @@ class PerSampleGrads:
     FRESH_RANGES = False
     """Whether :meth:`dense_range` returns a new tensor that the caller may change in place."""
 
+    computed_in = None
+    """The least precise dtype the calls that made the form computed in (autocast's bfloat16,
+    say, inside a call that takes and returns float32): the precision of the parameter's own
+    gradient, which the engine's sum check holds the form to."""
+
     @cached_property
     def grad(self):
         """The mini-batch gradient ``sum_n G_n``."""
