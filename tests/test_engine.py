@@ -264,6 +264,38 @@ def test_only_parameters_upstream_of_a_training_batch_norm_take_the_whole_graph(
     }
 
 
+def test_the_whole_graphs_passes_hold_a_chunk_bounded_by_the_activations_and_stay_exact(monkeypatch):
+    """A batched backward pass holds every activation's gradient once per sample of its chunk:
+    where the activations are large the whole graph takes one sample a pass (a batch-norm CNN's
+    32 samples at once took 8x a plain step's memory), with the same numbers."""
+    from cockpit_fast.per_sample import grads as forms
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 3)
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 3, 16, 16, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
+    # Room for every sample's parameters at once, for one sample's activations (N * 8 * 16 * 16 values each).
+    monkeypatch.setattr(forms, "CHUNK_VALUES", N * 300 + 2 * N * 8 * 16 * 16)
+    rows = []
+    grad = torch.autograd.grad
+
+    def recording(outputs, inputs, grad_outputs=None, is_grads_batched=False, **kwargs):
+        if is_grads_batched:
+            rows.append(grad_outputs.shape[0])
+        return grad(outputs, inputs, grad_outputs, is_grads_batched=is_grads_batched, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match="whole-graph route"):
+        training_step(model, None, (x, y), lambda out, labels: F.cross_entropy(out, labels, reduction="none"), cockpit=cockpit)
+    assert cockpit.routes()["0.weight"] == "whole graph"
+    assert rows == [1] * N
+    g = _oracle(model, x, y)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+
+
 def test_lora_tracks_the_trainable_parameters_and_says_so_once():
     peft = pytest.importorskip("peft")
     model, batch, losses_of = build("hf_gpt2", torch.float64)

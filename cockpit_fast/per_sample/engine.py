@@ -24,6 +24,7 @@ route); without them a failed check is an error that names the parameter and the
 """
 
 import contextlib
+import math
 import warnings
 import weakref
 
@@ -117,7 +118,7 @@ class Engine:
                 step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
                 return step
             whole = self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
-            step.forms = self._whole_graph(losses, tracked, whole, scale)
+            step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
         except BaseException:
             step.release()
             raise
@@ -233,7 +234,7 @@ class Engine:
             self._whole_only[key] = f"its call cannot be replayed sample by sample ({error})"
             whole[key] = self._whole_only[key]
         forms = {key: form for key, form in found.items() if key not in whole}
-        forms.update(self._whole_graph(losses, tracked, whole, scale))
+        forms.update(self._whole_graph(losses, tracked, whole, scale, calls))
         self._record_routes(fired, whole, found)
         return forms
 
@@ -295,14 +296,16 @@ class Engine:
             )
         return needs
 
-    def _whole_graph(self, losses, tracked, needs, scale):
-        """The whole-graph forms of the parameters in ``needs``, saying once why they take it."""
+    def _whole_graph(self, losses, tracked, needs, scale, calls):
+        """The whole-graph forms of the parameters in ``needs``, saying once why they take it;
+        ``calls``, the forward pass's, tell the size of its activations."""
         if not needs:
             return {}
         self._warn_once(needs)
         params = [p for p in tracked if id(p) in needs]
         inputs = self._in_graph(params)
-        forms = whole_graph_grads(losses, inputs, scale)
+        activations = sum(math.prod(shape) for call in calls for shape in call.output_shapes)
+        forms = whole_graph_grads(losses, inputs, scale, activations)
         return {id(p): forms[id(g)] for p, g in zip(params, inputs)}
 
     def _in_graph(self, params):
