@@ -88,3 +88,5 @@ def test_a_language_models_tracked_steps_do_not_synchronise(bf16):
             )
     output = cockpit.get_output()
     assert sorted(output) == [0, 1, 2] and all(row["NormTest"] > 0 for row in output.values())
+    # bf16's rounding inside a layer is no sign of a use outside it (every Conv1D bias took the whole graph on an H200).
+    assert not [name for name, route in cockpit.routes().items() if "whole" in route]

@@ -410,7 +410,7 @@ def adds_up(form, grad, magnitude, floor=0.0):
     Entries that are not finite in both agree (a sample's NaN is its own)."""
     summed = form.grad
     summed_in = least_precise([summed.dtype, grad.dtype])
-    wide = torch.promote_types(summed_in, torch.float32)
+    wide = torch.promote_types(torch.promote_types(summed.dtype, grad.dtype), torch.float32)
     summed, grad, magnitude = summed.to(wide), grad.to(wide), magnitude.to(wide)
     computed_in = least_precise([summed_in, form.computed_in])
     rounding = torch.finfo(summed_in).eps * magnitude.clamp(min=floor)
