@@ -19,7 +19,7 @@ from cockpit_fast.distributed import GradientCapture, is_writer, reduce_step, re
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
 from cockpit_fast.log_stream import LogStream, read_log, write_log
 from cockpit_fast.loggers import parameter_names
-from cockpit_fast.per_sample import Engine
+from cockpit_fast.per_sample import Engine, outside_autocast
 from cockpit_fast.quantities._curvature import CURVATURE_EXTENSIONS
 from cockpit_fast.quantities.quantity import FastQuantity, merged_hooks
 
@@ -704,7 +704,9 @@ class _TrackedBackward:
 
     def __exit__(self, exc_type, exc, traceback):
         try:
-            self._exit(exc_type, exc, traceback)
+            # The statistics and the quantities in their own dtypes, wherever the step runs.
+            with outside_autocast(self._cockpit.params):
+                self._exit(exc_type, exc, traceback)
         finally:
             self._cockpit._plan_watching(self._plan.global_step)
 

@@ -130,6 +130,33 @@ def test_a_call_computing_in_autocasts_dtype_but_returning_float32_is_checked_at
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05)
 
 
+def test_a_cockpit_inside_an_autocast_region_computes_its_statistics_in_the_models_dtypes():
+    """A float32 model's forward and backward passes outside autocast, the cockpit's block inside
+    one (a loop that wraps the whole step, its backward pass taken out as PyTorch advises): the
+    engine's products (the Gram matrices of a layer over positions, the dot products) stay
+    float32, equal to the float64 oracle to float32's rounding; they were bf16 products (errors
+    of 2^-8) before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 7, 5, generator=gen), torch.randint(0, 3, (N, 7), generator=gen)
+    losses_of = lambda out, labels: F.cross_entropy(out.transpose(1, 2), labels, reduction="none").mean(1)  # noqa: E731
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.InnerTest(EVERY)])
+    losses = losses_of(model(x), y)
+    loss = losses.mean()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": loss}):
+            with torch.autocast("cpu", enabled=False):
+                loss.backward()
+    twin = copy.deepcopy(model).double()
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: losses_of(m(a), b), x.double(), y))
+    mean = g.mean(0)
+    inner = float(((g @ mean - (mean**2).sum()) ** 2).sum() / (N - 1) / N / (mean**2).sum() ** 2)
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=1e-6)
+    assert output["InnerTest"] == pytest.approx(inner**0.5, rel=1e-6)
+
+
 def test_a_functional_use_outside_its_layer_under_autocast_still_takes_the_whole_graph():
     """The tolerance autocast adds scales with each entry's own terms: a bias added again outside
     its layer still fails the check and takes the whole graph, exact."""

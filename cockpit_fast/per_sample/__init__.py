@@ -7,7 +7,7 @@ by sample, or backpropagates every sample's loss through the whole graph where s
 """
 
 from cockpit_fast.per_sample import attention, recurrent  # noqa: F401 (file the attention and recurrent layers' rules)
-from cockpit_fast.per_sample.capture import Call, Capture
+from cockpit_fast.per_sample.capture import Call, Capture, outside_autocast
 from cockpit_fast.per_sample.engine import Engine
 from cockpit_fast.per_sample.generic import whole_graph_grads
 from cockpit_fast.per_sample.grads import (
@@ -34,6 +34,7 @@ __all__ = [
     "RowGrads",
     "combine",
     "mixes_samples",
+    "outside_autocast",
     "register_rule",
     "rule_for",
     "stats_rows",

@@ -115,12 +115,16 @@ class Call:
             isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.module.modules()
         ) or (self.module.training and isinstance(getattr(self.module, "dropout", None), float) and self.module.dropout > 0)
 
+    def as_it_ran(self):
+        """The autocast state the call ran under, for computing again what it computed."""
+        return torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext()
+
     def replay(self, start, stop, output_grads):
         """Per-sample gradients of every parameter of the call, samples ``start`` to ``stop``."""
         if self._replayed is None or self._replayed[0] != (start, stop):
             _replaying[0] += 1
             try:
-                with torch.autocast(*self.autocast) if self.autocast else contextlib.nullcontext():
+                with self.as_it_ran():
                     values = replay_grads(
                         self.module, self.values, self.args, self.kwargs,
                         [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
@@ -139,7 +143,7 @@ class Call:
         # A rule reading a parametrized tensor, and the chaining, evaluate parametrizations: no new calls.
         _replaying[0] += 1
         try:
-            with parametrized.evaluated_as_in_forward(self.module):
+            with parametrized.evaluated_as_in_forward(self.module), self.as_it_ran():
                 if rule is not None and rule.raw:
                     made = rule(self.module, args, self.kwargs, self.outputs, grads, self.sample_dim) or {}
                 elif rule is not None and len(grads) == 1 and grads[0] is not None and args:
@@ -181,6 +185,20 @@ def _autocast_state(device):
         return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
     except RuntimeError:
         return None
+
+
+@contextlib.contextmanager
+def outside_autocast(params):
+    """Autocast off on the devices of ``params`` (and the CPU): the engine's and the statistics'
+    own arithmetic in the dtypes they pick, wherever the caller's step runs (inside autocast,
+    CUDA would sum a bf16 gradient in float32 and multiply float32 factors in bf16); the calls'
+    rules and replays compute under the autocast each call ran under (:meth:`Call.as_it_ran`)."""
+    with contextlib.ExitStack() as stack:
+        for device in {"cpu", *(p.device.type for p in params)}:
+            state = _autocast_state(device)
+            if state is not None and state[2]:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _least_precise(args, outputs, autocast):

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from cockpit_fast.per_sample import routed, shared
-from cockpit_fast.per_sample.capture import Capture, least_precise, mixed_calls
+from cockpit_fast.per_sample.capture import Capture, least_precise, mixed_calls, outside_autocast
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
@@ -95,6 +95,10 @@ class Engine:
         Returns:
             _Pass: to hand to :meth:`end` after the backward pass.
         """
+        with outside_autocast(self.params):
+            return self._begin(losses, scale, batch_size, loss)
+
+    def _begin(self, losses, scale, batch_size, loss):
         losses = _sample_losses(losses)
         if losses is not None:
             batch_size = losses.shape[0] if batch_size is None else batch_size
@@ -138,6 +142,10 @@ class Engine:
             unscale (float): What the backward pass's gradients are multiplied by to be in the
                 units of the losses (``1 / scale`` of a ``GradScaler``); ``grads`` are already.
         """
+        with outside_autocast(self.params):
+            return self._end(step, grads, failed, unscale)
+
+    def _end(self, step, grads, failed, unscale):
         step.release()
         if not failed:  # the next step's forward pass is another (a graph the user keeps is no part of it)
             for call in step.calls:
