@@ -63,7 +63,7 @@ class Call:
         self.values = params  # what a replay computes with: the tensors the call used
         # Autocast as the call ran: its replays run under it too, and its gradients were rounded there.
         self.autocast = _autocast_state(outputs[0].device.type)
-        self.computed_in = _least_precise(args, outputs, self.autocast)
+        self.computed_in = _computed_in(args, outputs, self.autocast)
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's
@@ -201,7 +201,7 @@ def outside_autocast(params):
         yield
 
 
-def _least_precise(args, outputs, autocast):
+def _computed_in(args, outputs, autocast):
     """The least precise dtype a call computed in: its floating tensors', or autocast's where it
     was on (its gradient is rounded there, whatever dtype the call returns)."""
     dtypes = [t.dtype for t in (*args, *outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
