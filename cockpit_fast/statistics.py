@@ -608,11 +608,15 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
 
 def _chunk_values(index, param, form, statistics, grad, route, batch_size):
     """Each chunk of formed gradients' ``{statistic: value}``, in sample order."""
+    # The directions once for every chunk: an embedding table's chunks hold a sample or two each.
+    fused, directions = _fused_histogram(statistics), None
     for chunk in form.chunks():
         if chunk.dtype != param.dtype and param.is_floating_point():
             chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
         chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)
-        yield _from_grad_batch(chunk_hot, statistics)
+        if fused and directions is None:
+            directions = _stacked_directions(chunk_hot, fused[1])
+        yield _from_grad_batch(chunk_hot, statistics, directions)
 
 
 def _unformed(hot, statistics):
@@ -653,15 +657,28 @@ def _closed_form_cost(statistic):
     return 1 if statistic in (BATCH_L2, SUM_GRAD_SQUARED) else 0
 
 
-def _from_grad_batch(hot, statistics):
-    """``statistics`` of ``hot.grad_batch`` in as few passes over it as the fused ops allow: a
-    histogram with the squared norms and the dot products, both square norms together."""
-    values = {}
+def _stacked_directions(hot, dots):
+    """``(len(dots), *shape)``: the direction of each dot product in ``dots`` (of ``hot``'s chunk)."""
+    g = hot.grad_batch
+    return torch.stack([statistic.direction(hot) for statistic in dots]) if dots else g.new_empty(0, *g.shape[1:])
+
+
+def _fused_histogram(statistics):
+    """``(histogram, dot products)`` where :func:`_from_grad_batch` computes them in one fused pass
+    (with the squared norms); else None."""
     hists, dots = _fused_parts(statistics)
-    if hists and (dots or BATCH_L2 in statistics):
-        g, hist = hot.grad_batch, hists[0]
-        directions = torch.stack([statistic.direction(hot) for statistic in dots]) if dots else g.new_empty(0, *g.shape[1:])
-        results = ops.hist1d_batch_l2_batch_dots(g, directions, hist.bins, hist.range, hot.batch_size)
+    return (hists[0], dots) if hists and (dots or BATCH_L2 in statistics) else None
+
+
+def _from_grad_batch(hot, statistics, directions):
+    """``statistics`` of ``hot.grad_batch`` in as few passes over it as the fused ops allow: a
+    histogram with the squared norms and the dot products (along ``directions``, those of
+    :func:`_stacked_directions`, None where :func:`_fused_histogram` is), both square norms together."""
+    values = {}
+    fused = _fused_histogram(statistics)
+    if fused:
+        hist, dots = fused
+        results = ops.hist1d_batch_l2_batch_dots(hot.grad_batch, directions, hist.bins, hist.range, hot.batch_size)
         values.update(_fused_values(statistics, hist, dots, *results))
     if BATCH_L2 in statistics and SUM_GRAD_SQUARED in statistics:
         values[BATCH_L2], values[SUM_GRAD_SQUARED] = ops.batch_l2_and_sum_grad_squared(hot.grad_batch)
