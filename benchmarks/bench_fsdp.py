@@ -2,8 +2,10 @@
 
 Two processes (gloo on loopback, one thread each) train Hugging Face GPT-2 from a small config
 (4 layers, width 128, 4 heads, random weights, a vocabulary of ``--vocab`` tokens), ``fully_shard``
-on each block and at the root, AdamW, N = 8 sequences of T = 64 tokens per process; each
-sample's loss is its mean next-token cross-entropy.
+on each block and at the root, AdamW (or plain SGD, ``--optimizer sgd``), N = 8 sequences of
+T = 64 tokens per process; each sample's loss is its mean next-token cross-entropy. With AdamW,
+``Alpha`` keeps each process's individual gradients of a tracked step (N times the parameters,
+full-size) until the next step reveals the update; with plain SGD it keeps nothing.
 
 Time: two copies of the sharded model in each process, one plain and one tracked, ``--repeats``
 interleaved pairs of steps after warm-up (the pair's order alternates); rank 0's median ms per
@@ -16,9 +18,12 @@ reduce-scatters of gradients), and what a tracked step adds, with its number of 
 
 Memory: each variant in a fresh pair of processes; each resets its peak resident set size
 (``/proc/self/clear_refs``) after its imports and a throwaway build, then builds and shards the
-model and runs four steps; the growth of the peak RSS per rank, and tracked over plain.
+model and runs four steps; the growth of the peak RSS per rank, and tracked over plain. These
+processes (not the timed ones) run with glibc's mmap threshold fixed at 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``, as in ``bench_families.py``), so that the peak RSS follows the live
+tensors.
 
-Usage: ``python benchmarks/bench_fsdp.py [--repeats R] [--vocab V]``
+Usage: ``python benchmarks/bench_fsdp.py [--repeats R] [--vocab V] [--optimizer adamw|sgd]``
 """
 
 import argparse
@@ -53,8 +58,8 @@ CONTRIBUTED = {
 }
 
 
-def build(vocab):
-    """GPT-2 sharded with FSDP2, its optimizer, and this rank's batch."""
+def build(vocab, optimizer):
+    """GPT-2 sharded with FSDP2, its optimizer (``"adamw"`` or ``"sgd"``), and this rank's batch."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -71,7 +76,8 @@ def build(vocab):
     fully_shard(model, mesh=mesh)
     data = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, vocab, (N, T), generator=data)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), ids
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=1e-2)
+    return model, opt, ids
 
 
 def stepper(model, opt, ids, tracked):
@@ -96,11 +102,11 @@ def stepper(model, opt, ids, tracked):
     return step, cockpit
 
 
-def time_and_count(rank, vocab, repeats, out):
+def time_and_count(rank, vocab, optimizer, repeats, out):
     """Rank ``rank`` of the timing run: interleaved pairs of plain and tracked steps."""
     counter = CollectiveCounter(CONTRIBUTED)
-    plain_step, _ = stepper(*build(vocab), tracked=False)
-    tracked_step, cockpit = stepper(*build(vocab), tracked=True)
+    plain_step, _ = stepper(*build(vocab, optimizer), tracked=False)
+    tracked_step, cockpit = stepper(*build(vocab, optimizer), tracked=True)
     for i in range(3):  # warm-up: the tracked step's first step runs the engine's checks
         plain_step(i)
         tracked_step(i)
@@ -120,13 +126,13 @@ def time_and_count(rank, vocab, repeats, out):
         torch.save({"times": times, "sent": sent}, Path(out) / "timing.pt")
 
 
-def measure_memory(rank, vocab, variant, out):
+def measure_memory(rank, vocab, optimizer, variant, out):
     """Rank ``rank``'s peak RSS growth of building, sharding and running a few steps of ``variant``."""
-    build(vocab)  # a throwaway build: what it imports lazily is not counted
+    build(vocab, optimizer)  # a throwaway build: what it imports lazily is not counted
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets the peak (VmHWM) to the current resident size
     before = _status_kib("VmRSS")
-    step, _ = stepper(*build(vocab), tracked=variant == "tracked")
+    step, _ = stepper(*build(vocab, optimizer), tracked=variant == "tracked")
     for i in range(MEMORY_STEPS):
         step(i)
     (Path(out) / f"memory{rank}.txt").write_text(str((_status_kib("VmHWM") - before) / 1024))
@@ -156,12 +162,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="interleaved pairs of timed steps")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the training step's optimizer")
     args = parser.parse_args()
     print(
         f"GPT-2 {LAYERS} layers, width {WIDTH}, vocab {args.vocab}, N = {N} per rank, T = {T}, {WORLD} ranks "
-        f"(gloo, 1 thread each), fully_shard per block and root, AdamW; economy configuration"
+        f"(gloo, 1 thread each), fully_shard per block and root, {args.optimizer}; economy configuration"
     )
-    result = torch.load(in_group(time_and_count, args.vocab, args.repeats) / "timing.pt")
+    result = torch.load(in_group(time_and_count, args.vocab, args.optimizer, args.repeats) / "timing.pt")
     times, sent = result["times"], result["sent"]
     plain, tracked = statistics.median(times["plain"]), statistics.median(times["tracked"])
     ratios = [t / p for t, p in zip(times["tracked"], times["plain"])]
@@ -172,8 +179,9 @@ def main():
     print(f"communication, rank 0's contribution per step: FSDP2 {fsdp_calls:.0f} collectives, {fsdp_bytes / 2**20:.2f} MiB; "
           f"the cockpit adds {all_calls - fsdp_calls:.0f} collectives, {(all_bytes - fsdp_bytes) / 2**20:.2f} MiB")
     growth = {}
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by glibc as each process it spawns starts
     for variant in ("plain", "tracked"):
-        folder = in_group(measure_memory, args.vocab, variant)
+        folder = in_group(measure_memory, args.vocab, args.optimizer, variant)
         growth[variant] = [float((folder / f"memory{r}.txt").read_text()) for r in range(WORLD)]
     print(
         "peak RSS growth per rank: plain " + ", ".join(f"{m:.1f}" for m in growth["plain"])
