@@ -33,7 +33,7 @@ import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
 from cockpit_fast.fsdp import gathered
-from cockpit_fast.per_sample.grads import held_bytes
+from cockpit_fast.per_sample.grads import DenseGrads, Kept, held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
@@ -196,11 +196,18 @@ class _KeepGradBatch(Statistic):
         return "grad_batch"
 
     def from_grad_batch(self, hot):
-        return hot.grad_batch
+        return Kept(DenseGrads(hot.grad_batch))
+
+    def from_form(self, form, hot):
+        return Kept.copied(form) if Kept.pays(form) else None
+
+    def merge(self, parts):
+        return Kept.joined(parts)
 
 
 GRAD_BATCH = _KeepGradBatch()
-"""``grad_batch`` itself, for the one quantity that must project it on a later step (Alpha)."""
+"""``grad_batch`` kept (a :class:`~cockpit_fast.per_sample.grads.Kept`), for the one quantity
+that must project it on a later step (Alpha)."""
 
 
 @dataclass(frozen=True)
@@ -588,8 +595,10 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
     for statistic in sorted(statistics, key=_closed_form_cost):
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None and route == "auto":
-            # The gradients are formed anyway: every statistic reads them in the same pass.
-            from_chunks, values = set(statistics), {}
+            # The gradients are formed anyway: every statistic reads them in the same pass (but
+            # the form kept as it is, which costs nothing).
+            values = {GRAD_BATCH: values[GRAD_BATCH]} if GRAD_BATCH in values else {}
+            from_chunks = set(statistics) - set(values)
             break
         if value is None:
             from_chunks.add(statistic)
@@ -652,6 +661,8 @@ def _fused_values(statistics, hist, dots, counts, l2, products):
 
 
 def _closed_form_cost(statistic):
+    if statistic is GRAD_BATCH:  # first: kept as it is, it is no reason to form the gradients
+        return -1
     if isinstance(statistic, (_DotMeanGrad, Projection)):
         return 2
     return 1 if statistic in (BATCH_L2, SUM_GRAD_SQUARED) else 0

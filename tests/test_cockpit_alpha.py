@@ -11,7 +11,9 @@ from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.quantities.alpha import _alpha
 from cockpit_fast.utils import schedules as fast_schedules
 from cockpit_fast.utils.training import training_step
-from test_cockpit_core import MODELS, ROUTES, assert_same_output, cockpit, one, ref_schedules, side_by_side, train
+from test_cockpit_core import (
+    MODELS, ROUTES, assert_same_output, build_model, cockpit, one, ref_schedules, side_by_side, train,
+)
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -79,3 +81,43 @@ def test_a_failed_fit_leaves_the_step_out_as_in_cockpit():
         expected = _alpha_with_unfittable_losses(cockpit.Cockpit, cockpit.quantities, ref_schedules)
         actual = _alpha_with_unfittable_losses(FastCockpit, fast_quantities, fast_schedules)
     assert expected == {} and actual == expected
+
+
+def test_with_adam_alpha_keeps_factors_that_are_smaller_than_the_gradients_as_a_copy():
+    from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, held_bytes
+    from cockpit_fast.statistics import GRAD_BATCH, compute_statistics
+
+    torch.manual_seed(0)
+    few, many = FactoredGrads(torch.randn(4, 2, 30), torch.randn(4, 2, 20), (30, 20)), FactoredGrads(torch.randn(4, 40, 3), torch.randn(4, 40, 2), (3, 2))
+    direction = {few: torch.randn(30, 20), many: torch.randn(3, 2)}
+    for form in (few, many):
+        expected = torch.einsum("nij,ij->n", form.dense(), direction[form])
+        kept = compute_statistics(0, torch.zeros(form.shape), form, {GRAD_BATCH})[GRAD_BATCH]
+        form.left.mul_(2)  # the tensors it was made of change in place (a buffer reused): not what was kept
+        torch.testing.assert_close(kept.dot(direction[form]), expected, rtol=1e-5, atol=1e-6)
+        if form is few:  # 2 positions of 30 + 20 values against 600: the factors, copied
+            assert isinstance(kept.form, FactoredGrads) and held_bytes(kept.form) < 4 * 600 * 4
+            assert kept.form.left.data_ptr() != form.left.data_ptr()
+        else:  # 40 positions of 3 + 2 values against 6: formed
+            assert isinstance(kept.form, DenseGrads)
+
+
+def test_alpha_with_adam_reads_what_the_start_step_saw_when_the_input_buffer_is_reused():
+    """The per-sample gradients a step keeps for Alpha do not change with the input batch's buffer
+    (a data loader writing each batch into one tensor)."""
+
+    def run(reuse):
+        torch.manual_seed(0)
+        model, _ = build_model("mlp")  # a Linear layer's factors, the input batch among them, are kept
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        cp = FastCockpit(model.parameters(), quantities=[fast_quantities.Alpha(fast_schedules.linear(1))])
+        data, buffer = torch.Generator().manual_seed(1), torch.empty(8, 10)
+        for step in range(3):
+            inputs, labels = torch.randn(8, 10, generator=data), torch.randint(0, 4, (8,), generator=data)
+            batch = (buffer.copy_(inputs) if reuse else inputs), labels
+            training_step(model, opt, batch, torch.nn.CrossEntropyLoss(reduction="none"), cockpit=cp, step=step)
+        return cp.get_output()
+
+    fresh, reused = run(reuse=False), run(reuse=True)
+    assert sorted(fresh) == [0, 1] and all(isinstance(fresh[s]["Alpha"], float) for s in fresh)
+    assert_same_output(reused, fresh, rtol=1e-12, atol=0)

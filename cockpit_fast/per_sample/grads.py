@@ -18,6 +18,7 @@ units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss,
 weights tied across modules).
 """
 
+import copy
 import math
 from functools import cached_property
 
@@ -53,21 +54,26 @@ def _acc(t):
     return t.to(accumulation_dtype(t.dtype))
 
 
-def held_bytes(form):
-    """Bytes of the tensors ``form`` holds (its factors, rows, dense gradients, inner forms'):
-    what keeping it costs."""
-    seen, total, todo = set(), 0, [form]
+def held_tensors(form, cached=True):
+    """The tensors ``form`` holds (its factors, rows, dense gradients, inner forms'), each once;
+    without ``cached``, only those the gradients follow from (not the sum ``grad`` once read)."""
+    seen, tensors, todo = set(), [], [form]
     while todo:
         item = todo.pop()
         if isinstance(item, torch.Tensor):
             if id(item) not in seen:
                 seen.add(id(item))
-                total += item.numel() * item.element_size()
+                tensors.append(item)
         elif isinstance(item, PerSampleGrads):
-            todo.extend(vars(item).values())
+            todo.extend(value for name, value in vars(item).items() if cached or name != "grad")
         elif isinstance(item, (list, tuple)):
             todo.extend(item)
-    return total
+    return tensors
+
+
+def held_bytes(form):
+    """Bytes of the tensors ``form`` holds: what keeping it costs."""
+    return sum(t.numel() * t.element_size() for t in held_tensors(form))
 
 
 class PerSampleGrads:
@@ -78,6 +84,10 @@ class PerSampleGrads:
 
     FRESH_RANGES = False
     """Whether :meth:`dense_range` returns a new tensor that the caller may change in place."""
+
+    holds_values = False
+    """Whether the gradients follow from the tensors the form holds alone (not from parameters'
+    values or hooks, which change by a later step): what :class:`Kept` may keep as it is."""
 
     computed_in = None
     """The least precise dtype the calls that made the form computed in (autocast's bfloat16,
@@ -166,6 +176,8 @@ class PerSampleGrads:
 class DenseGrads(PerSampleGrads):
     """The per-sample gradients as one tensor ``(N, *shape)``; every statistic from the ops."""
 
+    holds_values = True
+
     def __init__(self, values):
         self.values = values.detach()
         self.batch_size, self.shape = values.shape[0], values.shape[1:]
@@ -206,7 +218,7 @@ class FactoredGrads(PerSampleGrads):
     :func:`factors_pay`, dot products matrix products, and the rest the chunks.
     """
 
-    FRESH_RANGES = True
+    FRESH_RANGES = holds_values = True
 
     def __init__(self, left, right, shape):
         self.left, self.right = left.detach(), right.detach()
@@ -327,7 +339,7 @@ class ConvGrads(PerSampleGrads):
     would copy the input once per kernel position.
     """
 
-    FRESH_RANGES = True
+    FRESH_RANGES = holds_values = True
 
     def __init__(self, padded_input, output_grad, shape, stride, dilation, groups):
         self.input, self.output_grad = padded_input.detach(), output_grad.detach()
@@ -370,6 +382,8 @@ class RowGrads(PerSampleGrads):
 
     Every other entry is zero: the statistics count the zeros without forming them.
     """
+
+    holds_values = True
 
     def __init__(self, rows, samples, indices, batch_size, shape):
         self.rows, self.samples, self.indices = rows.detach(), samples, indices
@@ -465,6 +479,10 @@ class SummedGrads(PerSampleGrads):
         self.batch_size, self.shape = parts[0].batch_size, parts[0].shape
 
     @property
+    def holds_values(self):
+        return all(part.holds_values for part in self.parts)
+
+    @property
     def formed_per_sample(self):
         return sum(part.formed_per_sample for part in self.parts)
 
@@ -514,6 +532,10 @@ class ScaledGrads(_Wrapped):
     def __init__(self, form, factor):
         super().__init__(form)
         self.factor = factor
+
+    @property
+    def holds_values(self):
+        return self.form.holds_values
 
     @cached_property
     def grad(self):
@@ -573,6 +595,55 @@ class HookedGrads(_Wrapped):
 def _hooked(hook, grad):
     out = hook(grad)
     return grad if out is None else out
+
+
+class Kept:
+    """Per-sample gradients kept for a later step (Alpha's projections on the update the optimizer
+    makes after the backward pass): a copy of the parameter's form where :meth:`pays` (its own
+    tensors: an input batch copied into one buffer every step changes nothing kept), else the
+    formed gradients (a :class:`DenseGrads`).
+    """
+
+    def __init__(self, form):
+        self.form = form
+
+    @classmethod
+    def copied(cls, form):
+        """A :class:`Kept` of a copy of ``form`` (one that :meth:`pays`) with tensors of its own."""
+        return cls(_with_own_tensors(form))
+
+    @staticmethod
+    def pays(form):
+        """Whether ``form`` holds its gradients in fewer bytes than formed (factors over fewer
+        positions than the weight's rows or columns, embedding rows), from its tensors alone."""
+        if not form.holds_values:
+            return False
+        tensors = held_tensors(form, cached=False)
+        formed = form.batch_size * math.prod(form.shape) * max(t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) < formed
+
+    @classmethod
+    def joined(cls, parts):
+        """One :class:`Kept` of the samples of consecutive ``parts`` (chunks, micro-batches)."""
+        return parts[0] if len(parts) == 1 else cls(DenseGrads(torch.cat([part.form.dense() for part in parts])))
+
+    def dot(self, direction):
+        """(N,) ``<G_n, direction>``."""
+        value = self.form.dot(direction)
+        return ops.batch_dot(self.form.dense(), direction) if value is None else value
+
+
+def _with_own_tensors(item):
+    """``item`` (a form, its tensors, lists of them) with every tensor copied, caches dropped."""
+    if isinstance(item, torch.Tensor):
+        return item.clone()
+    if isinstance(item, (list, tuple)):
+        return type(item)(_with_own_tensors(value) for value in item)
+    if isinstance(item, PerSampleGrads):
+        twin = copy.copy(item)
+        twin.__dict__ = {name: _with_own_tensors(value) for name, value in vars(item).items() if name != "grad"}
+        return twin
+    return item
 
 
 def combine(forms):
