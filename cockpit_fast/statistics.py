@@ -91,6 +91,11 @@ class Statistic:
     """Whether it reads the mini-batch gradient, which under ``torch.distributed`` is known only
     after every rank's gradient is combined: such statistics wait for it."""
 
+    kept_aside = False
+    """Whether its closed form reads none of this step's per-sample gradients (a projection of an
+    earlier step's, kept) or keeps the form as it is: taken from the form even where the others
+    read formed chunks, and never from the fused ops' pass over this step's gradients."""
+
     def from_grad_batch(self, hot):
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
         raise NotImplementedError
@@ -191,6 +196,7 @@ DOT_MEAN_GRAD = _DotMeanGrad()
 
 class _KeepGradBatch(Statistic):
     reduction = "local"  # each rank keeps its own; what is later taken from it is combined
+    kept_aside = True  # where its form pays to keep
 
     def __repr__(self):
         return "grad_batch"
@@ -596,8 +602,8 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None and route == "auto":
             # The gradients are formed anyway: every statistic reads them in the same pass (but
-            # the form kept as it is, which costs nothing).
-            values = {GRAD_BATCH: values[GRAD_BATCH]} if GRAD_BATCH in values else {}
+            # those kept aside, which read none of them).
+            values = {statistic: value for statistic, value in values.items() if statistic.kept_aside}
             from_chunks = set(statistics) - set(values)
             break
         if value is None:
@@ -647,7 +653,7 @@ def _fused_parts(statistics):
     """The histograms and the dot products (in an order every process shares) among ``statistics``:
     what the fused ops compute in one pass with the squared norms."""
     hists = [statistic for statistic in statistics if isinstance(statistic, Hist1d)]
-    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection))), key=repr)
+    dots = sorted((s for s in statistics if isinstance(s, (_DotMeanGrad, Projection)) and not s.kept_aside), key=repr)
     return hists, dots
 
 
@@ -661,7 +667,7 @@ def _fused_values(statistics, hist, dots, counts, l2, products):
 
 
 def _closed_form_cost(statistic):
-    if statistic is GRAD_BATCH:  # first: kept as it is, it is no reason to form the gradients
+    if statistic.kept_aside:  # first: no reason to form the gradients
         return -1
     if isinstance(statistic, (_DotMeanGrad, Projection)):
         return 2

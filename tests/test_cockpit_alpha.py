@@ -121,3 +121,13 @@ def test_alpha_with_adam_reads_what_the_start_step_saw_when_the_input_buffer_is_
     fresh, reused = run(reuse=False), run(reuse=True)
     assert sorted(fresh) == [0, 1] and all(isinstance(fresh[s]["Alpha"], float) for s in fresh)
     assert_same_output(reused, fresh, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_alpha_with_adam_beside_a_histogram_matches_cockpit(route):
+    """At a step that ends one α and starts the next, the start's kept individual gradients are
+    projected, not the step's own, also where the histogram forms the step's in one fused pass."""
+    make = lambda q, s: [q.Alpha(s.linear(1)), q.GradHist1d(s.linear(1))]  # noqa: E731
+    expected, actual = side_by_side(make, "sequence", steps=4, optimizer="adam", route=route)
+    assert sorted(step for step in actual if "Alpha" in actual[step]) == [0, 1, 2]
+    assert_same_output(actual, expected, rtol=1e-3, atol=1e-5)

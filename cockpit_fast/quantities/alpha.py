@@ -141,6 +141,7 @@ class _KeptProjection(Projection):
     the step, on the update: computed in the end's hook, in the start's units and samples."""
 
     start: object = field(default=None, compare=False, repr=False)
+    kept_aside = True  # the start's individual gradients, not this step's
 
     def from_grad_batch(self, hot):
         return self.start.grad_batch[hot.index].dot(self.direction(hot))
