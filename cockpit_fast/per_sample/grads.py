@@ -628,9 +628,9 @@ class Kept:
         return parts[0] if len(parts) == 1 else cls(DenseGrads(torch.cat([part.form.dense() for part in parts])))
 
     def dot(self, direction):
-        """(N,) ``<G_n, direction>``."""
-        value = self.form.dot(direction)
-        return ops.batch_dot(self.form.dense(), direction) if value is None else value
+        """(N,) ``<G_n, direction>``, from the gradients formed a chunk at a time: the same bits
+        as from the formed gradients a resumed run restores (a closed form rounds its own way)."""
+        return torch.cat([ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in self.form.chunks()])
 
 
 def _with_own_tensors(item):
