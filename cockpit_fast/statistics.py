@@ -93,8 +93,9 @@ class Statistic:
 
     kept_aside = False
     """Whether its closed form reads none of this step's per-sample gradients (a projection of an
-    earlier step's, kept) or keeps the form as it is: taken from the form even where the others
-    read formed chunks, and never from the fused ops' pass over this step's gradients."""
+    earlier step's, kept) or keeps the form as it is: taken from the form first, on every route
+    (None: from formed chunks after all), and never from the fused ops' pass over this step's
+    gradients."""
 
     def from_grad_batch(self, hot):
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
@@ -205,7 +206,7 @@ class _KeepGradBatch(Statistic):
         return Kept(DenseGrads(hot.grad_batch))
 
     def from_form(self, form, hot):
-        return Kept.copied(form) if Kept.pays(form) else None
+        return Kept.copied(form) if hot.route != "grad_batch" and Kept.pays(form) else None
 
     def merge(self, parts):
         return Kept.joined(parts)
@@ -594,17 +595,19 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
     if not statistics:
         return {}
     hot = HotParameter(index, param, form, grad=grad, route=route, batch_size=batch_size)
-    values, from_chunks = {}, set()
+    # Those kept aside first, on every route: they read none of the step's gradients.
+    aside = {statistic: statistic.from_form(form, hot) for statistic in statistics if statistic.kept_aside}
+    values = {statistic: value for statistic, value in aside.items() if value is not None}
+    rest, from_chunks = set(statistics) - set(values), set()
     # Histograms first, dot products last: the closed forms most often missing are tried before
     # the costly ones (a dot product through factors is a weight-gradient product), which are
     # wasted once another statistic has the gradients formed.
-    for statistic in sorted(statistics, key=_closed_form_cost):
+    for statistic in sorted(rest, key=_closed_form_cost):
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None and route == "auto":
-            # The gradients are formed anyway: every statistic reads them in the same pass (but
-            # those kept aside, which read none of them).
-            values = {statistic: value for statistic, value in values.items() if statistic.kept_aside}
-            from_chunks = set(statistics) - set(values)
+            # The gradients are formed anyway: every statistic reads them in the same pass.
+            from_chunks = rest
+            values = {statistic: values[statistic] for statistic in values if statistic not in rest}
             break
         if value is None:
             from_chunks.add(statistic)
@@ -667,8 +670,6 @@ def _fused_values(statistics, hist, dots, counts, l2, products):
 
 
 def _closed_form_cost(statistic):
-    if statistic.kept_aside:  # first: no reason to form the gradients
-        return -1
     if isinstance(statistic, (_DotMeanGrad, Projection)):
         return 2
     return 1 if statistic in (BATCH_L2, SUM_GRAD_SQUARED) else 0

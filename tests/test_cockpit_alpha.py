@@ -6,6 +6,7 @@ import pytest
 import torch
 from backpack import extend
 
+from cockpit_fast import per_sample
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
 from cockpit_fast.quantities.alpha import _alpha
@@ -88,17 +89,19 @@ def test_with_adam_alpha_keeps_factors_that_are_smaller_than_the_gradients_as_a_
     from cockpit_fast.statistics import GRAD_BATCH, compute_statistics
 
     torch.manual_seed(0)
-    few, many = FactoredGrads(torch.randn(4, 2, 30), torch.randn(4, 2, 20), (30, 20)), FactoredGrads(torch.randn(4, 40, 3), torch.randn(4, 40, 2), (3, 2))
-    direction = {few: torch.randn(30, 20), many: torch.randn(3, 2)}
+    # 2 positions of 30 + 20 values against 600 a sample; 7 positions of 30 + 20 against 600: more
+    # than half, formed.
+    few, many = FactoredGrads(torch.randn(4, 2, 30), torch.randn(4, 2, 20), (30, 20)), FactoredGrads(torch.randn(4, 7, 30), torch.randn(4, 7, 20), (30, 20))
+    direction = {form: torch.randn(form.shape) for form in (few, many)}
     for form in (few, many):
         expected = torch.einsum("nij,ij->n", form.dense(), direction[form])
         kept = compute_statistics(0, torch.zeros(form.shape), form, {GRAD_BATCH})[GRAD_BATCH]
         form.left.mul_(2)  # the tensors it was made of change in place (a buffer reused): not what was kept
         torch.testing.assert_close(kept.dot(direction[form]), expected, rtol=1e-5, atol=1e-6)
-        if form is few:  # 2 positions of 30 + 20 values against 600: the factors, copied
+        if form is few:  # the factors, copied
             assert isinstance(kept.form, FactoredGrads) and held_bytes(kept.form) < 4 * 600 * 4
             assert kept.form.left.data_ptr() != form.left.data_ptr()
-        else:  # 40 positions of 3 + 2 values against 6: formed
+        else:
             assert isinstance(kept.form, DenseGrads)
 
 
@@ -123,10 +126,14 @@ def test_alpha_with_adam_reads_what_the_start_step_saw_when_the_input_buffer_is_
     assert_same_output(reused, fresh, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("chunks", ["one chunk", "several chunks"])
 @pytest.mark.parametrize("route", ROUTES)
-def test_alpha_with_adam_beside_a_histogram_matches_cockpit(route):
+def test_alpha_with_adam_beside_a_histogram_matches_cockpit(route, chunks, monkeypatch):
     """At a step that ends one α and starts the next, the start's kept individual gradients are
-    projected, not the step's own, also where the histogram forms the step's in one fused pass."""
+    projected, not the step's own, also where the histogram forms the step's in one fused pass,
+    and once, not once per chunk of formed gradients."""
+    if chunks == "several chunks":
+        monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 40)
     make = lambda q, s: [q.Alpha(s.linear(1)), q.GradHist1d(s.linear(1))]  # noqa: E731
     expected, actual = side_by_side(make, "sequence", steps=4, optimizer="adam", route=route)
     assert sorted(step for step in actual if "Alpha" in actual[step]) == [0, 1, 2]

@@ -614,13 +614,15 @@ class Kept:
 
     @staticmethod
     def pays(form):
-        """Whether ``form`` holds its gradients in fewer bytes than formed (factors over fewer
-        positions than the weight's rows or columns, embedding rows), from its tensors alone."""
+        """Whether ``form`` holds its gradients, from its tensors alone, in at most half the bytes
+        of the formed ones (factors over a few positions, embedding rows). Factors over several
+        positions are formed once more to be read (a weight-gradient product, where the step's
+        statistics took them in one fused pass): worth it where that halves what is kept."""
         if not form.holds_values:
             return False
         tensors = held_tensors(form, cached=False)
         formed = form.batch_size * math.prod(form.shape) * max(t.element_size() for t in tensors)
-        return sum(t.numel() * t.element_size() for t in tensors) < formed
+        return 2 * sum(t.numel() * t.element_size() for t in tensors) <= formed
 
     @classmethod
     def joined(cls, parts):
