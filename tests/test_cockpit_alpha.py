@@ -84,21 +84,21 @@ def test_a_failed_fit_leaves_the_step_out_as_in_cockpit():
     assert expected == {} and actual == expected
 
 
-def test_with_adam_alpha_keeps_factors_that_are_smaller_than_the_gradients_as_a_copy():
+def test_with_adam_alpha_keeps_outer_product_factors_as_a_copy_and_other_forms_formed():
     from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, held_bytes
     from cockpit_fast.statistics import GRAD_BATCH, compute_statistics
 
     torch.manual_seed(0)
-    # 2 positions of 30 + 20 values against 600 a sample; 7 positions of 30 + 20 against 600: more
-    # than half, formed.
-    few, many = FactoredGrads(torch.randn(4, 2, 30), torch.randn(4, 2, 20), (30, 20)), FactoredGrads(torch.randn(4, 7, 30), torch.randn(4, 7, 20), (30, 20))
-    direction = {form: torch.randn(form.shape) for form in (few, many)}
-    for form in (few, many):
-        expected = torch.einsum("nij,ij->n", form.dense(), direction[form])
+    # One outer product of 30 + 20 values a sample against 600: the factors, copied. Two
+    # positions: formed (to be read they would be formed once more, a weight-gradient product).
+    outer, positions = FactoredGrads(torch.randn(4, 1, 30), torch.randn(4, 1, 20), (30, 20)), FactoredGrads(torch.randn(4, 2, 30), torch.randn(4, 2, 20), (30, 20))
+    for form in (outer, positions):
+        direction = torch.randn(form.shape)
+        expected = torch.einsum("nij,ij->n", form.dense(), direction)
         kept = compute_statistics(0, torch.zeros(form.shape), form, {GRAD_BATCH})[GRAD_BATCH]
         form.left.mul_(2)  # the tensors it was made of change in place (a buffer reused): not what was kept
-        torch.testing.assert_close(kept.dot(direction[form]), expected, rtol=1e-5, atol=1e-6)
-        if form is few:  # the factors, copied
+        torch.testing.assert_close(kept.dot(direction), expected, rtol=1e-5, atol=1e-6)
+        if form is outer:
             assert isinstance(kept.form, FactoredGrads) and held_bytes(kept.form) < 4 * 600 * 4
             assert kept.form.left.data_ptr() != form.left.data_ptr()
         else:

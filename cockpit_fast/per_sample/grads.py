@@ -85,9 +85,10 @@ class PerSampleGrads:
     FRESH_RANGES = False
     """Whether :meth:`dense_range` returns a new tensor that the caller may change in place."""
 
-    holds_values = False
-    """Whether the gradients follow from the tensors the form holds alone (not from parameters'
-    values or hooks, which change by a later step): what :class:`Kept` may keep as it is."""
+    keepable = False
+    """Whether :class:`Kept` may keep the form itself: its gradients follow from the tensors it
+    holds alone (not from parameters' values or hooks, which change by a later step), and forming
+    them later takes no product over positions (outer products, embedding rows)."""
 
     computed_in = None
     """The least precise dtype the calls that made the form computed in (autocast's bfloat16,
@@ -176,8 +177,6 @@ class PerSampleGrads:
 class DenseGrads(PerSampleGrads):
     """The per-sample gradients as one tensor ``(N, *shape)``; every statistic from the ops."""
 
-    holds_values = True
-
     def __init__(self, values):
         self.values = values.detach()
         self.batch_size, self.shape = values.shape[0], values.shape[1:]
@@ -218,7 +217,7 @@ class FactoredGrads(PerSampleGrads):
     :func:`factors_pay`, dot products matrix products, and the rest the chunks.
     """
 
-    FRESH_RANGES = holds_values = True
+    FRESH_RANGES = True
 
     def __init__(self, left, right, shape):
         self.left, self.right = left.detach(), right.detach()
@@ -230,6 +229,10 @@ class FactoredGrads(PerSampleGrads):
     def is_outer_product(self):
         """Whether each ``G_n`` is one outer product."""
         return self.positions == 1
+
+    @property
+    def keepable(self):
+        return self.is_outer_product
 
     @property
     def pays(self):
@@ -339,7 +342,7 @@ class ConvGrads(PerSampleGrads):
     would copy the input once per kernel position.
     """
 
-    FRESH_RANGES = holds_values = True
+    FRESH_RANGES = True
 
     def __init__(self, padded_input, output_grad, shape, stride, dilation, groups):
         self.input, self.output_grad = padded_input.detach(), output_grad.detach()
@@ -383,7 +386,7 @@ class RowGrads(PerSampleGrads):
     Every other entry is zero: the statistics count the zeros without forming them.
     """
 
-    holds_values = True
+    keepable = True
 
     def __init__(self, rows, samples, indices, batch_size, shape):
         self.rows, self.samples, self.indices = rows.detach(), samples, indices
@@ -479,8 +482,8 @@ class SummedGrads(PerSampleGrads):
         self.batch_size, self.shape = parts[0].batch_size, parts[0].shape
 
     @property
-    def holds_values(self):
-        return all(part.holds_values for part in self.parts)
+    def keepable(self):
+        return all(part.keepable for part in self.parts)
 
     @property
     def formed_per_sample(self):
@@ -534,8 +537,8 @@ class ScaledGrads(_Wrapped):
         self.factor = factor
 
     @property
-    def holds_values(self):
-        return self.form.holds_values
+    def keepable(self):
+        return self.form.keepable
 
     @cached_property
     def grad(self):
@@ -614,15 +617,14 @@ class Kept:
 
     @staticmethod
     def pays(form):
-        """Whether ``form`` holds its gradients, from its tensors alone, in at most half the bytes
-        of the formed ones (factors over a few positions, embedding rows). Factors over several
-        positions are formed once more to be read (a weight-gradient product, where the step's
-        statistics took them in one fused pass): worth it where that halves what is kept."""
-        if not form.holds_values:
+        """Whether ``form`` is :attr:`~PerSampleGrads.keepable` and holds its gradients in fewer
+        bytes than formed. (Factors over several positions are not: formed once more to be read,
+        a weight-gradient product a step where the step's statistics took them in one fused pass.)"""
+        if not form.keepable:
             return False
         tensors = held_tensors(form, cached=False)
         formed = form.batch_size * math.prod(form.shape) * max(t.element_size() for t in tensors)
-        return 2 * sum(t.numel() * t.element_size() for t in tensors) <= formed
+        return sum(t.numel() * t.element_size() for t in tensors) < formed
 
     @classmethod
     def joined(cls, parts):
