@@ -597,8 +597,8 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
     hot = HotParameter(index, param, form, grad=grad, route=route, batch_size=batch_size)
     # Those kept aside first, on every route: they read none of the step's gradients.
     aside = {statistic: statistic.from_form(form, hot) for statistic in statistics if statistic.kept_aside}
-    values = {statistic: value for statistic, value in aside.items() if value is not None}
-    rest, from_chunks = set(statistics) - set(values), set()
+    aside = {statistic: value for statistic, value in aside.items() if value is not None}
+    values, rest, from_chunks = dict(aside), set(statistics) - set(aside), set()
     # Histograms first, dot products last: the closed forms most often missing are tried before
     # the costly ones (a dot product through factors is a weight-gradient product), which are
     # wasted once another statistic has the gradients formed.
@@ -606,8 +606,7 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
         value = None if route == "grad_batch" else statistic.from_form(form, hot)
         if value is None and route == "auto":
             # The gradients are formed anyway: every statistic reads them in the same pass.
-            from_chunks = rest
-            values = {statistic: values[statistic] for statistic in values if statistic not in rest}
+            from_chunks, values = rest, dict(aside)
             break
         if value is None:
             from_chunks.add(statistic)
