@@ -633,7 +633,7 @@ def _chunk_values(index, param, form, statistics, grad, route, batch_size):
         chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)
         if fused and directions is None:
             directions = _stacked_directions(chunk_hot, fused[1])
-        yield _from_grad_batch(chunk_hot, statistics, directions)
+        yield _from_grad_batch(chunk_hot, statistics, fused, directions)
 
 
 def _unformed(hot, statistics):
@@ -687,12 +687,12 @@ def _fused_histogram(statistics):
     return (hists[0], dots) if hists and (dots or BATCH_L2 in statistics) else None
 
 
-def _from_grad_batch(hot, statistics, directions):
+def _from_grad_batch(hot, statistics, fused, directions):
     """``statistics`` of ``hot.grad_batch`` in as few passes over it as the fused ops allow: a
-    histogram with the squared norms and the dot products (along ``directions``, those of
-    :func:`_stacked_directions`, None where :func:`_fused_histogram` is), both square norms together."""
+    histogram with the squared norms and the dot products (``fused``, that of
+    :func:`_fused_histogram`, along ``directions``, those of :func:`_stacked_directions`), both
+    square norms together."""
     values = {}
-    fused = _fused_histogram(statistics)
     if fused:
         hist, dots = fused
         results = ops.hist1d_batch_l2_batch_dots(hot.grad_batch, directions, hist.bins, hist.range, hot.batch_size)
