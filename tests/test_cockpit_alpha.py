@@ -105,6 +105,17 @@ def test_with_adam_alpha_keeps_outer_product_factors_as_a_copy_and_other_forms_f
             assert isinstance(kept.form, DenseGrads)
 
 
+def test_alpha_keeps_embedding_rows_only_where_they_hold_fewer_bytes_than_formed():
+    """The rows' int64 sample and row indices count in what they hold; formed, each value takes
+    the rows' own dtype."""
+    from cockpit_fast.per_sample.grads import Kept, RowGrads
+
+    ids = torch.tensor([[0, 1], [2, 3]])  # 2 samples of a (4, 2) float32 table: 64 bytes formed
+    two_lookups = RowGrads.from_lookups(ids, torch.randn(2, 2, 2), 4)  # 4 rows: 32 + 2 * 32 bytes
+    one_lookup = RowGrads.from_lookups(ids[:, :1], torch.randn(2, 1, 2), 4)  # 2 rows: 16 + 2 * 16
+    assert not Kept.pays(two_lookups) and Kept.pays(one_lookup)
+
+
 def test_alpha_with_adam_reads_what_the_start_step_saw_when_the_input_buffer_is_reused():
     """The per-sample gradients a step keeps for Alpha do not change with the input batch's buffer
     (a data loader writing each batch into one tensor)."""

@@ -287,3 +287,16 @@ def test_embedding_rows_never_form_the_table():
             if i != 0:
                 expected[n, i] += 2 * layer.weight[i].detach() / 6
     torch.testing.assert_close(form.dense(), expected)
+
+
+@pytest.mark.parametrize("name", [name for name, form in _forms(torch.float32).items() if form.keepable])
+def test_a_kept_form_read_back_from_a_checkpoint_gives_the_same_gradients(name, tmp_path):
+    from cockpit_fast.per_sample.grads import Kept, ScaledGrads
+    from cockpit_fast.quantities.quantity import plain_state, restored_state
+
+    form = _forms(torch.float32)[name]
+    for kept in (Kept.copied(form), Kept.copied(ScaledGrads(form, 0.5)), Kept.copied(SummedGrads([form, form]))):
+        torch.save(plain_state(kept.state()), tmp_path / "kept.pt")
+        restored = Kept.from_state(restored_state(torch.load(tmp_path / "kept.pt", weights_only=True)))
+        assert type(restored.form) is type(kept.form) and restored.form.shape == form.shape
+        torch.testing.assert_close(restored.form.dense(), kept.form.dense(), rtol=0, atol=0)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cockpit_fast.cockpit import Cockpit
-from cockpit_fast.quantities import GradAbsMax, GradHist1d, GradHist2d, GradNoiseScale, ParamAbsMax
+from cockpit_fast.quantities import Alpha, GradAbsMax, GradHist1d, GradHist2d, GradNoiseScale, ParamAbsMax
 from cockpit_fast.quantities.quantity import ByproductQuantity, TwoStepQuantity
 from cockpit_fast.utils import schedules
 from cockpit_fast.utils.configuration import configuration
@@ -153,6 +153,46 @@ def test_a_restored_run_goes_on_as_the_uninterrupted_one(tmp_path, optimizer_nam
     uninterrupted[2].write(str(tmp_path / "uninterrupted"))
     cockpit.write(str(tmp_path / "resumed"))
     assert (tmp_path / "resumed.json").read_text() == (tmp_path / "uninterrupted.json").read_text()
+
+
+def test_a_checkpoint_holds_the_rows_alpha_keeps_with_adam_not_the_formed_table(tmp_path):
+    """With Adam, Alpha keeps a step's individual gradients until its update is known: an
+    embedding's looked-up rows are saved as they are kept (formed: N x the table) and read back
+    to the same numbers."""
+    vocab, width, positions = 5000, 4, 3
+    data = torch.Generator().manual_seed(1)
+    steps = [(torch.randint(0, vocab, (BATCH_SIZE, positions), generator=data), torch.randint(0, CLASSES, (BATCH_SIZE,), generator=data)) for _ in range(4)]
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(vocab, width), nn.Flatten(), nn.Linear(positions * width, CLASSES))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, optimizer, Cockpit(model.parameters(), quantities=[Alpha(schedules.linear(1)), GradHist1d(schedules.linear(1))])
+
+    def train_steps(run, steps_taken):
+        for step in steps_taken:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Alpha's notes on its fits
+                training_step(*run[:2], steps[step], individual_loss_fn, cockpit=run[2], step=step)
+
+    uninterrupted, first = run(), run()
+    train_steps(uninterrupted, range(4))
+    train_steps(first, range(2))
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": first[0].state_dict(), "optimizer": first[1].state_dict(), "cockpit": first[2].state_dict()}, path)
+    saved = sum(t.numel() * t.element_size() for t in tensors_in(torch.load(path, weights_only=True)["cockpit"]))
+    table = vocab * width * 4  # 80 kB: the parameters kept, once; formed, the rows take N x that
+    assert saved < 1.5 * table
+
+    resumed = run()
+    checkpoint = torch.load(path, weights_only=True)
+    resumed[0].load_state_dict(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["optimizer"])
+    resumed[2].load_state_dict(checkpoint["cockpit"])
+    train_steps(resumed, range(2, 4))
+    expected = uninterrupted[2].get_output()
+    assert all(isinstance(expected[step]["Alpha"], float) for step in (1, 2))
+    assert_identical(resumed[2].get_output(), expected)
 
 
 def saved_state():

@@ -18,7 +18,6 @@ units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss,
 weights tied across modules).
 """
 
-import copy
 import math
 from functools import cached_property
 
@@ -57,18 +56,23 @@ def _acc(t):
 def held_tensors(form, cached=True):
     """The tensors ``form`` holds (its factors, rows, dense gradients, inner forms'), each once;
     without ``cached``, only those the gradients follow from (not the sum ``grad`` once read)."""
-    seen, tensors, todo = set(), [], [form]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, torch.Tensor):
-            if id(item) not in seen:
-                seen.add(id(item))
-                tensors.append(item)
-        elif isinstance(item, PerSampleGrads):
-            todo.extend(value for name, value in vars(item).items() if cached or name != "grad")
-        elif isinstance(item, (list, tuple)):
-            todo.extend(item)
-    return tensors
+    found = {}
+    _walked(form, lambda tensor: found.setdefault(id(tensor), tensor), lambda form, fields: None, cached)
+    return list(found.values())
+
+
+def _walked(item, on_tensor, on_form, cached=False):
+    """``item`` (a form, its tensors, lists of them) rebuilt: each tensor as ``on_tensor(tensor)``,
+    each form as ``on_form(form, fields)`` of its fields walked (without ``cached``, not the sum
+    ``grad`` once read)."""
+    if isinstance(item, torch.Tensor):
+        return on_tensor(item)
+    if isinstance(item, (list, tuple)):
+        return type(item)(_walked(value, on_tensor, on_form, cached) for value in item)
+    if isinstance(item, PerSampleGrads):
+        fields = {name: _walked(value, on_tensor, on_form, cached) for name, value in vars(item).items() if cached or name != "grad"}
+        return on_form(item, fields)
+    return item
 
 
 def held_bytes(form):
@@ -607,13 +611,16 @@ class Kept:
     formed gradients (a :class:`DenseGrads`).
     """
 
+    FORMS = {cls.__name__: cls for cls in (DenseGrads, FactoredGrads, RowGrads, SummedGrads, ScaledGrads)}
+    """The forms a :meth:`state` names: those kept (:attr:`~PerSampleGrads.keepable` ones, formed)."""
+
     def __init__(self, form):
         self.form = form
 
     @classmethod
     def copied(cls, form):
         """A :class:`Kept` of a copy of ``form`` (one that :meth:`pays`) with tensors of its own."""
-        return cls(_with_own_tensors(form))
+        return cls(_walked(form, torch.Tensor.clone, lambda form, fields: _form_of(type(form), fields)))
 
     @staticmethod
     def pays(form):
@@ -623,7 +630,9 @@ class Kept:
         if not form.keepable:
             return False
         tensors = held_tensors(form, cached=False)
-        formed = form.batch_size * math.prod(form.shape) * max(t.element_size() for t in tensors)
+        # Formed in the dtype of its values (an embedding's row indices are int64, its rows not).
+        element_size = max(t.element_size() for t in tensors if t.is_floating_point())
+        formed = form.batch_size * math.prod(form.shape) * element_size
         return sum(t.numel() * t.element_size() for t in tensors) < formed
 
     @classmethod
@@ -636,18 +645,38 @@ class Kept:
         as from the formed gradients a resumed run restores (a closed form rounds its own way)."""
         return torch.cat([ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in self.form.chunks()])
 
+    def state(self):
+        """The form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
+        tensors: what a checkpoint saves (not the formed gradients, N x the parameter). Without
+        ``computed_in``, the dtype the step's sum check read."""
 
-def _with_own_tensors(item):
-    """``item`` (a form, its tensors, lists of them) with every tensor copied, caches dropped."""
-    if isinstance(item, torch.Tensor):
-        return item.clone()
-    if isinstance(item, (list, tuple)):
-        return type(item)(_with_own_tensors(value) for value in item)
-    if isinstance(item, PerSampleGrads):
-        twin = copy.copy(item)
-        twin.__dict__ = {name: _with_own_tensors(value) for name, value in vars(item).items() if name != "grad"}
-        return twin
-    return item
+        def state(form, fields):
+            return {"class": type(form).__name__, **{name: v for name, v in fields.items() if name != "computed_in"}}
+
+        return _walked(self.form, lambda tensor: tensor, state)
+
+    @classmethod
+    def from_state(cls, state):
+        """The :class:`Kept` of a :meth:`state` (its tensors where they are)."""
+
+        def form(item):
+            if isinstance(item, dict):
+                fields = {name: form(value) for name, value in item.items() if name != "class"}
+                if "shape" in fields:  # a tuple in a checkpoint
+                    fields["shape"] = torch.Size(fields["shape"])
+                return _form_of(cls.FORMS[item["class"]], fields)
+            if isinstance(item, (list, tuple)):
+                return type(item)(form(value) for value in item)
+            return item
+
+        return cls(form(state))
+
+
+def _form_of(kind, fields):
+    """A form of class ``kind`` with ``fields``."""
+    form = object.__new__(kind)
+    form.__dict__ = fields
+    return form
 
 
 def combine(forms):

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from cockpit_fast.fsdp import gathered
-from cockpit_fast.per_sample.grads import DenseGrads, Kept
+from cockpit_fast.per_sample.grads import Kept
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
 from cockpit_fast.quantities.quantity import (
@@ -204,7 +204,7 @@ class _StartPoint:
             "rank_sizes": self.rank_sizes if observed else None,
             "rank_share": self.rank_share if observed else None,
             "params": self.params,
-            "grad_batch": None if self.grad_batch is None else [kept.form.dense() for kept in self.grad_batch],
+            "grad_batch": None if self.grad_batch is None else [kept.state() for kept in self.grad_batch],
         }
         return plain_state(state)
 
@@ -219,7 +219,7 @@ class _StartPoint:
             start.rank_sizes, start.rank_share = state["rank_sizes"], state["rank_share"]
         if state["params"] is not None:
             start.params = restored_per_param(state["params"], params)
-            start.grad_batch = [Kept(DenseGrads(g)) for g in restored_per_param(state["grad_batch"], params)]
+            start.grad_batch = [Kept.from_state(kept) for kept in restored_per_param(state["grad_batch"], params)]
         return start
 
 

@@ -217,7 +217,7 @@ def _same_kind_scalars(values):
     return len(kinds) == 1 and None not in kinds
 
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 """Version of the layout of :meth:`cockpit_fast.cockpit.Cockpit.state_dict` and the quantities'
 state dicts: a state dict of another version is refused, not misread."""
 
