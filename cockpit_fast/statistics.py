@@ -203,7 +203,7 @@ class _KeepGradBatch(Statistic):
         return "grad_batch"
 
     def from_grad_batch(self, hot):
-        return Kept(DenseGrads(hot.grad_batch))
+        return Kept([DenseGrads(hot.grad_batch)])
 
     def from_form(self, form, hot):
         return Kept.copied(form) if hot.route != "grad_batch" and Kept.pays(form) else None

@@ -298,5 +298,6 @@ def test_a_kept_form_read_back_from_a_checkpoint_gives_the_same_gradients(name, 
     for kept in (Kept.copied(form), Kept.copied(ScaledGrads(form, 0.5)), Kept.copied(SummedGrads([form, form]))):
         torch.save(plain_state(kept.state()), tmp_path / "kept.pt")
         restored = Kept.from_state(restored_state(torch.load(tmp_path / "kept.pt", weights_only=True)))
-        assert type(restored.form) is type(kept.form) and restored.form.shape == form.shape
-        torch.testing.assert_close(restored.form.dense(), kept.form.dense(), rtol=0, atol=0)
+        [restored_form], [kept_form] = restored.forms, kept.forms
+        assert type(restored_form) is type(kept_form) and restored_form.shape == form.shape
+        torch.testing.assert_close(restored_form.dense(), kept_form.dense(), rtol=0, atol=0)

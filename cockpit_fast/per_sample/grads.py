@@ -606,21 +606,22 @@ def _hooked(hook, grad):
 
 class Kept:
     """Per-sample gradients kept for a later step (Alpha's projections on the update the optimizer
-    makes after the backward pass): a copy of the parameter's form where :meth:`pays` (its own
-    tensors: an input batch copied into one buffer every step changes nothing kept), else the
-    formed gradients (a :class:`DenseGrads`).
+    makes after the backward pass), as ``forms`` of consecutive samples (chunks, micro-batches):
+    each a copy of the parameter's form where :meth:`pays` (its own tensors: an input batch copied
+    into one buffer every step changes nothing kept), else the formed gradients (a
+    :class:`DenseGrads`).
     """
 
     FORMS = {cls.__name__: cls for cls in (DenseGrads, FactoredGrads, RowGrads, SummedGrads, ScaledGrads)}
     """The forms a :meth:`state` names: those kept (:attr:`~PerSampleGrads.keepable` ones, formed)."""
 
-    def __init__(self, form):
-        self.form = form
+    def __init__(self, forms):
+        self.forms = list(forms)
 
     @classmethod
     def copied(cls, form):
         """A :class:`Kept` of a copy of ``form`` (one that :meth:`pays`) with tensors of its own."""
-        return cls(_walked(form, torch.Tensor.clone, lambda form, fields: _form_of(type(form), fields)))
+        return cls([_walked(form, torch.Tensor.clone, lambda form, fields: _form_of(type(form), fields))])
 
     @staticmethod
     def pays(form):
@@ -637,23 +638,26 @@ class Kept:
 
     @classmethod
     def joined(cls, parts):
-        """One :class:`Kept` of the samples of consecutive ``parts`` (chunks, micro-batches)."""
-        return parts[0] if len(parts) == 1 else cls(DenseGrads(torch.cat([part.form.dense() for part in parts])))
+        """One :class:`Kept` of the samples of consecutive ``parts``, each kept as it was (a
+        micro-batch's factors are not formed for being one of several)."""
+        return cls([form for part in parts for form in part.forms])
 
     def dot(self, direction):
         """(N,) ``<G_n, direction>``, from the gradients formed a chunk at a time: the same bits
-        as from the formed gradients a resumed run restores (a closed form rounds its own way)."""
-        return torch.cat([ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in self.form.chunks()])
+        as from the same forms a resumed run restores (a closed form rounds its own way)."""
+        return torch.cat(
+            [ops.batch_dot(chunk.to(direction.dtype), direction) for form in self.forms for chunk in form.chunks()]
+        )
 
     def state(self):
-        """The form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
+        """Each form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
         tensors: what a checkpoint saves (not the formed gradients, N x the parameter). Without
         ``computed_in``, the dtype the step's sum check read."""
 
         def state(form, fields):
             return {"class": type(form).__name__, **{name: v for name, v in fields.items() if name != "computed_in"}}
 
-        return _walked(self.form, lambda tensor: tensor, state)
+        return [_walked(form, lambda tensor: tensor, state) for form in self.forms]
 
     @classmethod
     def from_state(cls, state):
