@@ -97,6 +97,10 @@ class Statistic:
     (None: from formed chunks after all), and never from the fused ops' pass over this step's
     gradients."""
 
+    once_a_step = False
+    """Whether it reads nothing of the step's micro-batches (an earlier step's values, kept): taken
+    with the first micro-batch that reaches the parameter, not once each."""
+
     def from_grad_batch(self, hot):
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
         raise NotImplementedError
@@ -553,7 +557,8 @@ class StepStatistics:
                 continue
             form = forms[index]
             grad = None if grads is None else grads[index]
-            values = compute_statistics(index, param, form, statistics, grad, self.route, batch_size=batch_size)
+            asked = {s for s in statistics if not (s.once_a_step and index in self._parts[s])}
+            values = compute_statistics(index, param, form, asked, grad, self.route, batch_size=batch_size)
             for statistic, value in values.items():
                 self._parts[statistic][index].append(value)
 

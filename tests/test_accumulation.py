@@ -39,9 +39,13 @@ def _weights(sizes, scaling):
     return torch.cat([torch.full((n,), 1 / total if scaling == "sum" else 1 / (len(sizes) * n)) for n in sizes])
 
 
-def _accumulated(model, steps, scaling, tracked, hand_in_loss=True, size_at_entry=True, **kwargs):
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _accumulated(model, steps, scaling, tracked, hand_in_loss=True, size_at_entry=True, optimizer=_sgd, **kwargs):
     cockpit = Cockpit(list(model.parameters()), quantities=tracked(), **kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = optimizer(model.parameters())
     for step, parts in enumerate(steps):
         total = sum(len(x) for x, _ in parts)
         opt.zero_grad()
@@ -56,11 +60,11 @@ def _accumulated(model, steps, scaling, tracked, hand_in_loss=True, size_at_entr
     return cockpit
 
 
-def _one_pass(model, steps, scaling, tracked):
+def _one_pass(model, steps, scaling, tracked, optimizer=_sgd):
     """The same steps as one backward pass on the union, each sample's loss weighted as the
     accumulated steps weigh it (their mean is the step's loss)."""
     cockpit = Cockpit(list(model.parameters()), quantities=tracked())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = optimizer(model.parameters())
     for step, parts in enumerate(steps):
         sizes = [len(x) for x, _ in parts]
         x, y = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -99,6 +103,20 @@ def test_economy_over_micro_batches_equals_one_backward_pass_on_their_union(size
     one_pass = _one_pass(_model(), steps, scaling, tracked).get_output()
     _assert_same_output(accumulated, one_pass)
     assert {"Alpha", "InnerTest", "OrthoTest", "NormTest", "GradHist1d", "Loss"} <= set(accumulated[1])
+
+
+@pytest.mark.parametrize("size_at_entry", [True, False], ids=["size at entry", "size at the end"])
+def test_alpha_with_adam_over_micro_batches_equals_one_pass(size_at_entry):
+    """With Adam, Alpha keeps a step's individual gradients until its update is known and projects
+    them at the end of the next step: once, whichever micro-batch of that step reads them."""
+    steps = _batches([5, 3, 4], steps=3)
+    tracked = lambda: [quantities.Alpha(lambda step: True), quantities.GradHist1d(lambda step: True)]  # noqa: E731
+    adam = lambda params: torch.optim.Adam(params, lr=0.05)  # noqa: E731
+    accumulated = _accumulated(_model(), steps, "mean", tracked, size_at_entry=size_at_entry, optimizer=adam)
+    one_pass = _one_pass(_model(), steps, "mean", tracked, optimizer=adam)
+    expected = one_pass.get_output()
+    assert [isinstance(expected[step]["Alpha"], float) for step in (0, 1)] == [True, True]
+    _assert_same_output(accumulated.get_output(), expected)
 
 
 class _Tokens(nn.Module):

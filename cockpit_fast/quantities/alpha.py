@@ -142,6 +142,7 @@ class _KeptProjection(Projection):
 
     start: object = field(default=None, compare=False, repr=False)
     kept_aside = True  # the start's individual gradients, not this step's
+    once_a_step = True  # all of the start's samples, whichever micro-batch of the end reads them
 
     def from_grad_batch(self, hot):
         return self.start.grad_batch[hot.index].dot(self.direction(hot))
