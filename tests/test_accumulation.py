@@ -106,9 +106,10 @@ def test_economy_over_micro_batches_equals_one_backward_pass_on_their_union(size
 
 
 @pytest.mark.parametrize("size_at_entry", [True, False], ids=["size at entry", "size at the end"])
-def test_alpha_with_adam_over_micro_batches_equals_one_pass(size_at_entry):
+def test_alpha_with_adam_over_micro_batches_equals_one_pass_and_keeps_each_ones_factors(size_at_entry):
     """With Adam, Alpha keeps a step's individual gradients until its update is known and projects
-    them at the end of the next step: once, whichever micro-batch of that step reads them."""
+    them at the end of the next step: once, whichever micro-batch of that step reads them. It
+    keeps each micro-batch's Linear factors as they are, not the step's gradients formed."""
     steps = _batches([5, 3, 4], steps=3)
     tracked = lambda: [quantities.Alpha(lambda step: True), quantities.GradHist1d(lambda step: True)]  # noqa: E731
     adam = lambda params: torch.optim.Adam(params, lr=0.05)  # noqa: E731
@@ -117,6 +118,11 @@ def test_alpha_with_adam_over_micro_batches_equals_one_pass(size_at_entry):
     expected = one_pass.get_output()
     assert [isinstance(expected[step]["Alpha"], float) for step in (0, 1)] == [True, True]
     _assert_same_output(accumulated.get_output(), expected)
+    [alpha] = [q for q in accumulated.quantities if isinstance(q, quantities.Alpha)]
+    [start] = alpha._starts._entries.values()  # the last step's, waiting for its end
+    weights = [i for i, p in enumerate(accumulated.params) if p.dim() == 2]
+    for i in weights:
+        assert [(type(f), f.batch_size) for f in start.grad_batch[i].forms] == [(FactoredGrads, n) for n in (5, 3, 4)]
 
 
 class _Tokens(nn.Module):
