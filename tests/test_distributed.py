@@ -149,11 +149,12 @@ def test_ranks_on_different_steps_are_told(tmp_path):
         run_group([2, 2], config, tmp_path)
 
 
-@pytest.mark.parametrize("route", ["auto", "grad_batch"])
-def test_alpha_with_adam_keeps_each_rank_s_gradients_and_equals_one_process(route, tmp_path):
-    # Not plain SGD: each rank keeps its own individual gradients until the update is known.
-    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 4, "optimizer": "adam", "route": route}
-    expected = _one_process(config, 8)
+@pytest.mark.parametrize("route, micro_batches", [("auto", None), ("grad_batch", None), ("auto", 2)])
+def test_alpha_with_adam_keeps_each_rank_s_gradients_and_equals_one_process(route, micro_batches, tmp_path):
+    # Not plain SGD: each rank keeps its own individual gradients until the update is known (of
+    # each of its micro-batches, projected once at the end).
+    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 4, "optimizer": "adam", "route": route, "micro_batches": micro_batches}
+    expected = _one_process({**config, "micro_batches": None}, 8)
     for result in run_group([3, 5], config, tmp_path):
         assert sorted(result["output"]) == sorted(expected) == [0, 1, 2]
         assert_same_output(result["output"], expected, rtol=1e-4, atol=1e-6)
