@@ -66,7 +66,7 @@ def sharded(model, blocks, config):
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
         if config.get("compile"):
-            block.compile(backend="eager")
+            block.compile()
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
