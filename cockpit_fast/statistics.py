@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast.fsdp import gathered
-from cockpit_fast.per_sample.grads import DenseGrads, Kept, held_bytes
+from cockpit_fast.fsdp import gathered, is_sharded
+from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, Kept, held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
@@ -510,8 +510,9 @@ class StepStatistics:
         self._at_end = set(requests) if batch_size is None else waiting
         self._now = set(requests) - self._at_end
         self._waiting = waiting
-        self._parts = defaultdict(lambda: defaultdict(list))  # statistic -> index -> each micro-batch's value
-        self._kept = []  # [(index, param, form)] of each micro-batch, for self._at_end
+        self._parts = defaultdict(lambda: defaultdict(dict))  # statistic -> index -> {micro-batch: value}
+        self._kept = []  # (micro-batch, [(index, param, form)]) of each micro-batch, for self._at_end
+        self._sizes = []  # samples of each micro-batch
         self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
         self.samples = 0  # samples of the micro-batches so far
@@ -529,23 +530,26 @@ class StepStatistics:
         the step's only one and nothing reduces its gradient later. Then every statistic is
         computed now, those that read the gradient in the same pass over each form as the rest
         (later, a dot product with factors costs a weight-gradient product)."""
+        batch = self.micro_batches
         self.micro_batches += 1
-        # Not used by this backward pass: per_param() will say so.
+        # Not used by this backward pass: zeros where another micro-batch uses it (_merged), else
+        # per_param() will say so.
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
-        self.samples += max((form.batch_size for _, _, form in found), default=0)
+        self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
+        self.samples += self._sizes[-1]
         if grads is not None:
-            self._compute(found, self._now | self._at_end, self.batch_size or self.samples, grads)
+            self._compute(batch, found, self._now | self._at_end, self.batch_size or self.samples, grads)
             self._now, self._at_end = self._now | (self._at_end - self._waiting), set()  # later() yields the rest
             return
-        self._compute(found, self._now, self.batch_size)
+        self._compute(batch, found, self._now, self.batch_size)
         if self._at_end and not self.dropped:
-            self._kept.append(found)
+            self._kept.append((batch, found))
             self.kept_bytes += sum(held_bytes(form) for _, _, form in found)
             if self.micro_batches > 1 and self.keep_limit is not None and self.kept_bytes > self.keep_limit:
                 self._kept.clear()
                 self.dropped = True
 
-    def _compute(self, found, statistics, batch_size, grads=None):
+    def _compute(self, batch, found, statistics, batch_size, grads=None):
         if not statistics:
             return
         forms = {index: form for index, _, form in found}
@@ -557,31 +561,56 @@ class StepStatistics:
                 continue
             form = forms[index]
             grad = None if grads is None else grads[index]
-            asked = {s for s in statistics if not (s.once_a_step and index in self._parts[s])}
+            asked = {s for s in statistics if not (s.once_a_step and self._parts[s].get(index))}
             values = compute_statistics(index, param, form, asked, grad, self.route, batch_size=batch_size)
             for statistic, value in values.items():
-                self._parts[statistic][index].append(value)
+                self._parts[statistic][index][batch] = value
 
     def values(self):
         """``(statistic, index, value)`` over the micro-batches of every statistic but those that
         read the step's gradient."""
         pending = self._at_end - self._waiting
-        for found in self._kept:
-            self._compute(found, pending, self.batch_size or self.samples)
+        for batch, found in self._kept:
+            self._compute(batch, found, pending, self.batch_size or self.samples)
         yield from self._merged(self._now | pending)
 
     def later(self, grads):
         """``(statistic, index, value)`` of the statistics that read the step's gradient ``grads``
         (indexed like the parameters); none where their forms were dropped."""
-        for found in self._kept:
-            self._compute(found, self._waiting, self.batch_size or self.samples, grads)
+        for batch, found in self._kept:
+            self._compute(batch, found, self._waiting, self.batch_size or self.samples, grads)
         self._kept = []
-        yield from self._merged(self._waiting)
+        yield from self._merged(self._waiting, grads)
 
-    def _merged(self, statistics):
+    def _merged(self, statistics, grads=None):
         for statistic in statistics:
             for index, values in self._parts.pop(statistic, {}).items():
+                if not statistic.once_a_step:
+                    values = {**self._of_zeros(statistic, index, values.keys(), grads), **values}
+                values = [values[batch] for batch in sorted(values)]
                 yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
+
+    def _of_zeros(self, statistic, index, reached, grads):
+        """``{micro-batch: value}`` of ``statistic`` for the micro-batches whose backward passes did
+        not reach parameter ``index`` (a branch one of them skips, an expert none of its tokens
+        chose): their samples' gradients are zeros, which one backward pass over the step's
+        batch would count too (in the histograms, as per-sample norms and products)."""
+        param = self.params[index]
+        missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
+        if missing and statistic.reads_param and is_sharded(param):
+            raise ValueError(
+                f"{statistic!r} of tracked parameter {index} (shape {tuple(param.shape)}), sharded by FSDP2: micro-batches "
+                f"{missing} of the step did not use it; track it on steps whose micro-batches all use every parameter"
+            )
+        values = {}
+        for batch in missing:
+            n = self._sizes[batch]
+            zeros = FactoredGrads(torch.zeros(n, 1, 1, dtype=param.dtype, device=param.device),
+                                  torch.zeros(n, 1, param.numel(), dtype=param.dtype, device=param.device), param.shape)
+            grad = None if grads is None else grads[index]
+            computed = compute_statistics(index, param.detach(), zeros, {statistic}, grad, self.route, self.batch_size or self.samples)
+            values[batch] = computed[statistic]
+        return values
 
 
 def compute_statistics(index, param, form, statistics, grad=None, route="auto", batch_size=None):

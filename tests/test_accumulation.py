@@ -153,6 +153,63 @@ def test_every_first_order_quantity_with_another_optimizer_than_sgd_equals_one_p
     assert {"Alpha", "UpdateSize", "Distance", "GradNoiseScale", "GradHist2d", "MeanGSNR"} <= set(expected[1])
     _assert_same_output(accumulated, expected, rel=1e-9)
 
+
+class _Branch(nn.Module):
+    """A Linear layer whose branch only some samples take (``uses``: 1 or 0 per sample)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch = nn.Linear(FEATURES, CLASSES), nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x, uses):
+        if not uses.any():
+            return self.trunk(x)  # the branch is not called: its backward pass never runs
+        return self.trunk(x) + self.branch(x) * uses[:, None]
+
+
+@pytest.mark.parametrize("taken_by", [(1, 0), (0, 1), (0, 1, 0)], ids=["first", "second", "middle of three"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_parameter_one_micro_batch_does_not_use_counts_its_samples_as_zeros(taken_by, optimizer):
+    """A one-pass step counts the zero gradients of the samples that skip a branch (in the
+    histograms, the per-sample norms and products); over micro-batches the same, where a
+    micro-batch's backward pass does not reach the branch at all."""
+    every = lambda step: True  # noqa: E731
+    curvatures = ("HessMaxEV", "HessTrace", "TICDiag")
+
+    def tracked():
+        full = [q for q in configuration("full", track_schedule=every) if type(q).__name__ not in curvatures]
+        return full + [quantities.GradHist2d(every), quantities.GradNoiseScale(every), quantities.MeanGSNR(every)]
+
+    gen = torch.Generator().manual_seed(3)
+    steps = [[(torch.randn(4, FEATURES, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (4,), generator=gen))
+              for _ in taken_by] for _ in range(3)]
+    runs = {}
+    for mode in ("accumulated", "one pass"):
+        model = _Branch().double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=0.05)
+        cockpit = Cockpit(list(model.parameters()), quantities=tracked())
+        for step, parts in enumerate(steps):
+            opt.zero_grad()
+            uses = [torch.full((len(x),), float(taken), dtype=torch.float64) for (x, _), taken in zip(parts, taken_by)]
+            if mode == "accumulated":
+                with cockpit(step, info={"batch_size": 4 * len(parts), "optimizer": opt}) as micro:
+                    for (x, y), used in zip(parts, uses):
+                        losses = F.cross_entropy(model(x, used), y, reduction="none")
+                        loss = losses.sum() / (4 * len(parts))
+                        micro.micro_batch(individual_losses=losses, loss=loss)
+                        loss.backward()
+            else:
+                x, y = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+                losses = F.cross_entropy(model(x, torch.cat(uses)), y, reduction="none")
+                loss = losses.mean()
+                with cockpit(step, info={"batch_size": len(x), "optimizer": opt, "individual_losses": losses, "loss": loss}):
+                    loss.backward()
+            opt.step()
+        runs[mode] = cockpit.get_output()
+    assert {"Alpha", "NormTest", "GradHist1d", "GradHist2d", "GradNoiseScale", "MeanGSNR"} <= set(runs["one pass"][1])
+    _assert_same_output(runs["accumulated"], runs["one pass"], rel=1e-9)
+
 class _Tokens(nn.Module):
     """Linear layers over positions: each sample's weight gradient is a sum of outer products
     (no closed-form histogram), so a histogram forms the per-sample gradients."""
