@@ -34,6 +34,8 @@ _LOG_KEYS = (
     "learning_rate",
 )
 
+_MICRO_BATCH_ORDER = "call tracked.micro_batch(...) after each micro-batch's forward pass and before its backward pass"
+
 
 class Cockpit:
     """Tracks quantities of a model's parameters during training.
@@ -661,6 +663,10 @@ class _TrackedBackward:
                 size = plan.given_batch_size()
             try:
                 self._pass = cockpit._engine.begin(losses, weight, size, loss)
+            except RuntimeError as error:
+                if micro and "backward through the graph a second time" in str(error):
+                    raise ValueError(f"micro_batch() came after its micro-batch's backward pass (its graph is freed): {_MICRO_BATCH_ORDER}") from error
+                raise
             except ValueError as error:
                 if micro or losses is not None:
                     raise
@@ -676,13 +682,12 @@ class _TrackedBackward:
         if self._grads is not None and not passes:
             raise ValueError(
                 "no backward pass reached the tracked parameters "
-                + ("after micro_batch()" if self._micro else "inside `with cockpit(...)`: call loss.backward() inside the `with` block")
+                + ("after micro_batch(): " + _MICRO_BATCH_ORDER if self._micro else "inside `with cockpit(...)`: call loss.backward() inside the `with` block")
             )
         if passes > 1 and plan.requests:
             raise ValueError(
                 f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
-                "accumulation?): call tracked.micro_batch(...) before each micro-batch's backward pass, in "
-                "`with cockpit(...) as tracked:`"
+                f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`"
             )
         if plan.unscale != 1.0:
             grads = {index: g * plan.unscale for index, g in grads.items()}

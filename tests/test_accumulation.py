@@ -342,10 +342,23 @@ def test_the_mistakes_of_a_hurried_user_are_one_clear_error_each():
         with norm()(0, info={"batch_size": 8}) as micro:
             losses = F.cross_entropy(model(parts[0][0]), parts[0][1], reduction="none")
             micro.micro_batch(individual_losses=losses[:3])
-    with pytest.raises(ValueError, match=r"no backward pass reached the tracked parameters after micro_batch\(\)"):
+    with pytest.raises(ValueError, match=r"no backward pass reached the tracked parameters after micro_batch\(\): call tracked"):
         model.zero_grad()
         with norm()(0, info={"batch_size": 4}) as micro:
             micro.micro_batch(individual_losses=F.cross_entropy(model(parts[0][0]), parts[0][1], reduction="none"))
+    late = r"micro_batch\(\) came after its micro-batch's backward pass .*: call tracked.micro_batch\(...\) after each"
+    for checked in (False, True):  # the first step checks the model with a backward pass of its own
+        cockpit = norm()
+        if checked:
+            model.zero_grad()
+            _micro_step(cockpit, model, parts, {"batch_size": 8})
+        with pytest.raises(ValueError, match=late if not checked else r"after micro_batch\(\): call tracked.micro_batch"):
+            model.zero_grad()
+            with cockpit(1, info={"batch_size": 8}) as micro:
+                for x, y in parts:
+                    losses = F.cross_entropy(model(x), y, reduction="none")
+                    (losses.sum() / 8).backward()
+                    micro.micro_batch(individual_losses=losses, loss=losses.sum() / 8)
     model.zero_grad()
     with norm()(0, info={"batch_size": 4}) as micro:
         F.cross_entropy(model(parts[0][0]), parts[0][1]).backward()
