@@ -5,9 +5,13 @@ Each rank's backward pass sees its own samples only: BackPACK's ``grad_batch`` t
 those of its shard. :func:`reduce_step` turns them into those of the global batch (the
 concatenation of every rank's samples, ``N = sum_r N_r``) before any quantity reads them, so
 every quantity equals that of one process on the concatenated batch, whatever the batch size of
-each rank. A step's reductions travel in four collectives (five with histograms: see 2), each
+each rank. A step's reductions travel in five collectives (six with histograms: see 2), each
 over one flat buffer:
 
+0. ``all_reduce(MAX)`` of which tracked parameters each rank's backward passes reached
+   (:func:`reached_by_any_rank`): a rank whose samples did not use one (a branch, an expert none
+   of its tokens chose) gives its samples' zero gradients for it, as one backward pass over the
+   global batch counts them;
 1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
 2. ``all_reduce(SUM)`` of everything that adds up: the gradient sum ``sum_n ∇ℓ_n``, summed
    statistics back in units of ``∇ℓ_n`` (sums of squared gradients), the loss times ``N_r``,
@@ -257,6 +261,14 @@ def _local_batch_size(ctx):
         "Under torch.distributed the cockpit weighs each process by its batch size: hand it in via "
         "cockpit(..., info={'batch_size': ...})"
     )
+
+
+def reached_by_any_rank(reached, params, group):
+    """Indices of ``params`` that some rank's backward passes reached, ``reached`` this rank's."""
+    mask = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
+    mask[sorted(reached)] = 1
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    return set(mask.nonzero().flatten().tolist())
 
 
 def _all_gather(tensor, group):

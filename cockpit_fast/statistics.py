@@ -513,6 +513,8 @@ class StepStatistics:
         self._parts = defaultdict(lambda: defaultdict(dict))  # statistic -> index -> {micro-batch: value}
         self._kept = []  # (micro-batch, [(index, param, form)]) of each micro-batch, for self._at_end
         self._sizes = []  # samples of each micro-batch
+        self.reached = set()  # indices of the parameters some micro-batch's backward pass reached
+        self._elsewhere = set()  # of those other ranks' backward passes reached, this rank's not
         self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
         self.samples = 0  # samples of the micro-batches so far
@@ -536,6 +538,7 @@ class StepStatistics:
         # per_param() will say so.
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
+        self.reached.update(index for index, _, _ in found)
         self.samples += self._sizes[-1]
         if grads is not None:
             self._compute(batch, found, self._now | self._at_end, self.batch_size or self.samples, grads)
@@ -566,6 +569,12 @@ class StepStatistics:
             for statistic, value in values.items():
                 self._parts[statistic][index][batch] = value
 
+    def reached_elsewhere(self, indices):
+        """``indices`` of the parameters some rank's backward passes reached (under
+        ``torch.distributed``): those this rank's did not get the values of its samples' zero
+        gradients, as the global batch's one backward pass would count them."""
+        self._elsewhere = set(indices) - self.reached
+
     def values(self):
         """``(statistic, index, value)`` over the micro-batches of every statistic but those that
         read the step's gradient."""
@@ -584,8 +593,9 @@ class StepStatistics:
 
     def _merged(self, statistics, grads=None):
         for statistic in statistics:
-            for index, values in self._parts.pop(statistic, {}).items():
-                if not statistic.once_a_step:
+            parts = {**dict.fromkeys(self._elsewhere, {}), **self._parts.pop(statistic, {})}
+            for index, values in sorted(parts.items()):
+                if not statistic.once_a_step or not values:
                     values = {**self._of_zeros(statistic, index, values.keys(), grads), **values}
                 values = [values[batch] for batch in sorted(values)]
                 yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
@@ -597,6 +607,8 @@ class StepStatistics:
         batch would count too (in the histograms, as per-sample norms and products)."""
         param = self.params[index]
         missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
+        if statistic.once_a_step:  # what it reads was kept before this step: one value
+            missing = missing[:1]
         if missing and statistic.reads_param and is_sharded(param):
             raise ValueError(
                 f"{statistic!r} of tracked parameter {index} (shape {tuple(param.shape)}), sharded by FSDP2: micro-batches "

@@ -103,7 +103,8 @@ def train(config, rank=0, rank_sizes=None, out=None):
     ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
     fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
     step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
-    log_all_ranks, plot (save the dashboard too). Logs and plots go to ``out``, a folder of this
+    log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
+    first samples take the "branch" model's branch). Logs and plots go to ``out``, a folder of this
     rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
@@ -115,7 +116,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     model = extend(model)
     params = list(model.parameters())
     if distributed and config.get("sync", "ddp") == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters="branch_samples" in config)
         if len(set(rank_sizes)) > 1:
             model.register_comm_hook(local_n / global_n, weighted_allreduce)
     loss_fn = extend(torch.nn.CrossEntropyLoss())
@@ -145,7 +146,10 @@ def train(config, rank=0, rank_sizes=None, out=None):
     for step in range(config["steps"]):
         if config.get("fail_on_rank") == rank and step == 1:
             raise RuntimeError(f"rank {rank} fails on purpose")
-        inputs = torch.randn(global_n, *input_shape, generator=data)[start : start + local_n]
+        inputs = torch.randn(global_n, *input_shape, generator=data)
+        if "branch_samples" in config:  # the first ones take the "branch" model's branch, the rest not
+            inputs[:, 0] = inputs[:, 0].abs() * torch.where(torch.arange(global_n) < config["branch_samples"], 1.0, -1.0)
+        inputs = inputs[start : start + local_n]
         labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + local_n]
         tracked = step + (config.get("step_offset_on_rank1", 0) if rank == 1 else 0)
         batch = inputs, labels

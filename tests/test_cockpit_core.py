@@ -30,6 +30,19 @@ MODELS = ["mlp", "cnn", "sequence"]
 ROUTES = ["auto", "factors", "grad_batch"]
 
 
+class _Branch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
+        self.branch = torch.nn.Linear(10, 4)
+
+    def forward(self, x):
+        taken = (x[:, 0] > 0).to(x.dtype)
+        if not taken.any():
+            return self.trunk(x)  # the branch is not called: no backward pass reaches it
+        return self.trunk(x) + self.branch(x) * taken[:, None]
+
+
 def build_model(name):
     """A small model whose Linear layers see (N, in), conv + pooling, or (N, T, in) inputs."""
     if name == "mlp":
@@ -44,6 +57,9 @@ def build_model(name):
             torch.nn.Linear(3 * 3 * 3, 4),
         )
         input_shape = (2, 8, 8)
+    elif name == "branch":  # a Linear branch that only the samples with a positive first feature take
+        model = _Branch()
+        input_shape = (10,)
     elif name == "wide":  # 63 x 65 = 4095 weights: a batch of 4099 has 2^24 + 8189 gradient values
         model = torch.nn.Sequential(torch.nn.Linear(63, 65, bias=False))
         input_shape = (63,)

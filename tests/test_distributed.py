@@ -70,6 +70,20 @@ def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(t
         )
 
 
+@pytest.mark.parametrize("quantities, optimizer", [("first_order", "sgd"), ("alpha_adam", "adam")])
+def test_a_parameter_one_rank_does_not_reach_counts_its_samples_as_zeros(quantities, optimizer, tmp_path):
+    # A branch only rank 0's samples take: rank 1's backward pass never reaches it (DDP with
+    # find_unused_parameters); one backward pass over the global batch counts their zeros.
+    config = {"model": "branch", "quantities": quantities, "optimizer": optimizer, "steps": STEPS, "branch_samples": 3}
+    expected = _one_process(config, 8)
+    for rank, result in enumerate(run_group([3, 5], config, tmp_path)):
+        assert sorted(result["output"]) == sorted(expected)
+        assert_same_output(
+            comparable(result["output"]), comparable(expected), rtol=1e-4, atol=1e-6,
+            max_count_diff=EDGE_COUNTS, path=f"rank {rank}",
+        )
+
+
 def test_bin_adaptation_off_the_histogram_schedule_uses_the_global_batch(tmp_path):
     config = {"model": "mlp", "quantities": "adapt_off_schedule", "steps": 5, "route": "auto"}
     expected = _one_process(config, 5)
