@@ -8,8 +8,8 @@ every quantity equals that of one process on the concatenated batch, whatever th
 each rank. A step's reductions travel in five collectives (six with histograms: see 2), each
 over one flat buffer:
 
-0. ``all_reduce(MAX)`` of which tracked parameters each rank's backward passes reached
-   (:func:`reached_by_any_rank`): a rank whose samples did not use one (a branch, an expert none
+0. ``all_gather`` of which tracked parameters each rank's backward passes reached
+   (:func:`reached_by_ranks`): a rank whose samples did not use one (a branch, an expert none
    of its tokens chose) gives its samples' zero gradients for it, as one backward pass over the
    global batch counts them;
 1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
@@ -263,12 +263,16 @@ def _local_batch_size(ctx):
     )
 
 
-def reached_by_any_rank(reached, params, group):
-    """Indices of ``params`` that some rank's backward passes reached, ``reached`` this rank's."""
-    mask = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
-    mask[sorted(reached)] = 1
-    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
-    return set(mask.nonzero().flatten().tolist())
+def reached_by_ranks(reached, complete, params, group):
+    """``(anywhere, everywhere)``: the indices of ``params`` that some rank's backward passes
+    reached, and those that every backward pass of every rank reached (``reached``, ``complete``:
+    this rank's own). Every rank gets the same two sets."""
+    mine = torch.zeros(2, len(params), dtype=torch.int32, device=params[0].device)
+    mine[0, sorted(reached)] = 1
+    mine[1, sorted(complete)] = 1
+    every = _all_gather(mine, group)
+    anywhere, everywhere = every[:, 0].amax(0), every[:, 1].amin(0)
+    return set(anywhere.nonzero().flatten().tolist()), set(everywhere.nonzero().flatten().tolist())
 
 
 def _all_gather(tensor, group):

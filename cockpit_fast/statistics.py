@@ -505,6 +505,7 @@ class StepStatistics:
 
     def __init__(self, params, requests, route="auto", batch_size=None, keep_limit=None):
         self.params, self.route, self.batch_size, self.keep_limit = params, route, batch_size, keep_limit
+        self.requests = frozenset(requests)
         waiting = {s for s in requests if s.uses_mean_grad}
         # What waits for the end of the step: all of it where the units are not known before.
         self._at_end = set(requests) if batch_size is None else waiting
@@ -514,6 +515,7 @@ class StepStatistics:
         self._kept = []  # (micro-batch, [(index, param, form)]) of each micro-batch, for self._at_end
         self._sizes = []  # samples of each micro-batch
         self.reached = set()  # indices of the parameters some micro-batch's backward pass reached
+        self._complete = None  # of those, the ones every micro-batch's reached (None: no micro-batch yet)
         self._elsewhere = set()  # of those other ranks' backward passes reached, this rank's not
         self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
@@ -539,6 +541,9 @@ class StepStatistics:
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
         self.reached.update(index for index, _, _ in found)
+        if self._sizes[-1]:
+            here = {index for index, _, _ in found}
+            self._complete = here if self._complete is None else self._complete & here
         self.samples += self._sizes[-1]
         if grads is not None:
             self._compute(batch, found, self._now | self._at_end, self.batch_size or self.samples, grads)
@@ -569,11 +574,30 @@ class StepStatistics:
             for statistic, value in values.items():
                 self._parts[statistic][index][batch] = value
 
-    def reached_elsewhere(self, indices):
-        """``indices`` of the parameters some rank's backward passes reached (under
-        ``torch.distributed``): those this rank's did not get the values of its samples' zero
-        gradients, as the global batch's one backward pass would count them."""
-        self._elsewhere = set(indices) - self.reached
+    @property
+    def complete(self):
+        """Indices of the parameters every micro-batch's backward pass reached."""
+        return self._complete or set()
+
+    def reached_elsewhere(self, anywhere, everywhere):
+        """Under ``torch.distributed``, the indices of the parameters some rank's backward passes
+        reached (``anywhere``) and every one of them (``everywhere``), alike on every rank: those
+        this rank's did not reach get the values of its samples' zero gradients, as the global
+        batch's one backward pass would count them.
+
+        Raises:
+            ValueError: On every rank alike, where a statistic reads the values of a parameter
+                FSDP2 shards that not every backward pass reached (gathered, they would have to
+                be, by the ranks that lack them alone).
+        """
+        partial = [i for i in sorted(set(anywhere) - set(everywhere)) if is_sharded(self.params[i])]
+        readers = sorted(repr(s) for s in self.requests if s.reads_param)
+        if partial and readers:
+            raise ValueError(
+                f"{', '.join(readers)} read the values of tracked parameters {partial}, sharded by FSDP2, which some "
+                "micro-batch or rank of the step did not use: track them on steps that use every parameter"
+            )
+        self._elsewhere = set(anywhere) - self.reached
 
     def values(self):
         """``(statistic, index, value)`` over the micro-batches of every statistic but those that
@@ -609,11 +633,6 @@ class StepStatistics:
         missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
         if statistic.once_a_step:  # what it reads was kept before this step: one value
             missing = missing[:1]
-        if missing and statistic.reads_param and is_sharded(param):
-            raise ValueError(
-                f"{statistic!r} of tracked parameter {index} (shape {tuple(param.shape)}), sharded by FSDP2: micro-batches "
-                f"{missing} of the step did not use it; track it on steps whose micro-batches all use every parameter"
-            )
         values = {}
         for batch in missing:
             n = self._sizes[batch]

@@ -420,3 +420,25 @@ def test_a_grad_scalers_scale_is_divided_out_of_every_micro_batch():
                     (scaler.scale(loss) if scaled else loss).backward()
         outputs.append(cockpit.get_output())
     _assert_same_output(outputs[1], outputs[0], rel=1e-5)
+
+
+def test_under_fsdp2_reading_a_parameter_some_rank_did_not_use_is_refused_alike_on_every_rank(monkeypatch):
+    """Where a statistic reads the values of a sharded parameter that some micro-batch or rank did
+    not reach, the ranks would have to gather it alone: every rank refuses alike (the decision
+    is made from the sets every rank shares), none waits for the others."""
+    import cockpit_fast.statistics as statistics
+
+    monkeypatch.setattr(statistics, "is_sharded", lambda tensor: True)
+    params = list(_model().parameters())
+    hist2d = statistics.Hist2d((3, 3), ((-1, 1), (-1, 1)))
+    for requests, anywhere, everywhere, refused in [
+        ({hist2d}, {0, 1, 2, 3}, {0, 1}, True),
+        ({hist2d}, {0, 1, 2, 3}, {0, 1, 2, 3}, False),  # every rank's every backward pass reached each
+        ({statistics.BATCH_L2}, {0, 1, 2, 3}, {0, 1}, False),  # no statistic reads the values
+    ]:
+        stats = statistics.StepStatistics(params, requests, batch_size=8)
+        if refused:
+            with pytest.raises(ValueError, match=r"Hist2d.*read the values of tracked parameters \[2, 3\], sharded by FSDP2"):
+                stats.reached_elsewhere(anywhere, everywhere)
+        else:
+            stats.reached_elsewhere(anywhere, everywhere)
