@@ -5,11 +5,11 @@ Each rank's backward pass sees its own samples only: BackPACK's ``grad_batch`` t
 those of its shard. :func:`reduce_step` turns them into those of the global batch (the
 concatenation of every rank's samples, ``N = sum_r N_r``) before any quantity reads them, so
 every quantity equals that of one process on the concatenated batch, whatever the batch size of
-each rank. A step's reductions travel in five collectives (six with histograms: see 2), each
+each rank. A step's reductions travel in six collectives (seven with histograms: see 2), each
 over one flat buffer:
 
-0. ``all_gather`` of which tracked parameters each rank's backward passes reached
-   (:func:`reached_by_ranks`): a rank whose samples did not use one (a branch, an expert none
+0. ``all_gather`` of the number and shapes of the tracked parameters (checked to agree), then of
+   which of them each rank's backward passes reached (:func:`reached_by_ranks`): a rank whose samples did not use one (a branch, an expert none
    of its tokens chose) gives its samples' zero gradients for it, as one backward pass over the
    global batch counts them;
 1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
@@ -35,6 +35,11 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+_NOT_THE_SAME = (
+    "the processes track different quantities or parameters at this step, or different steps: "
+    "every rank must track the same, with the same global_step"
+)
 
 
 
@@ -147,10 +152,7 @@ def reduce_step(ctx, curvature_names=()):
     mine = torch.tensor([local_n, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=params[0].device)
     every = _all_gather(mine, group).tolist()
     if len({checksum for _, checksum in every}) != 1:
-        raise ValueError(
-            "the processes track different quantities or parameters at this step, or different steps: "
-            "every rank must track the same, with the same global_step"
-        )
+        raise ValueError(_NOT_THE_SAME)
     sizes = [n for n, _ in every]
     global_n = sum(sizes)
     info = {}  # the global batch's entries
@@ -266,7 +268,16 @@ def _local_batch_size(ctx):
 def reached_by_ranks(reached, complete, params, group):
     """``(anywhere, everywhere)``: the indices of ``params`` that some rank's backward passes
     reached, and those that every backward pass of every rank reached (``reached``, ``complete``:
-    this rank's own). Every rank gets the same two sets."""
+    this rank's own). Every rank gets the same two sets.
+
+    Raises:
+        ValueError: On every rank, if the ranks track different parameters (checked first: the
+            flags' buffers must have one size everywhere).
+    """
+    shapes = zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
+    header = torch.tensor([len(params), shapes], dtype=torch.int64, device=params[0].device)
+    if len({tuple(row) for row in _all_gather(header, group).tolist()}) != 1:
+        raise ValueError(_NOT_THE_SAME)
     mine = torch.zeros(2, len(params), dtype=torch.int32, device=params[0].device)
     mine[0, sorted(reached)] = 1
     mine[1, sorted(complete)] = 1

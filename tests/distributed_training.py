@@ -102,6 +102,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     (each step accumulated over that many micro-batches of the rank's slice), sync
     ("ddp": DistributedDataParallel; "manual": the test all-reduces gradients itself),
     fail_on_rank (raise there at step 1), quantities_on_rank1 (another set on rank 1),
+    model_on_rank1 (another model on rank 1, with the same input shape),
     step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
     log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
     first samples take the "branch" model's branch). Logs and plots go to ``out``, a folder of this
@@ -112,7 +113,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     global_n, local_n = sum(rank_sizes), rank_sizes[rank]
     start = sum(rank_sizes[:rank])
     torch.manual_seed(0)
-    model, input_shape = build_model(config["model"])
+    model, input_shape = build_model(config["model_on_rank1"] if distributed and rank == 1 and "model_on_rank1" in config else config["model"])
     model = extend(model)
     params = list(model.parameters())
     if distributed and config.get("sync", "ddp") == "ddp":

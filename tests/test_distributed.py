@@ -156,6 +156,13 @@ def test_ranks_tracking_different_quantities_are_told(tmp_path):
         run_group([2, 2], config, tmp_path)
 
 
+def test_ranks_tracking_different_parameters_are_told(tmp_path):
+    # Without DDP (which compares the models itself): the first exchange would mismatch in size.
+    config = {"model": "mlp", "model_on_rank1": "branch", "quantities": "first_order", "steps": 1, "sync": "none"}
+    with pytest.raises(Exception, match="track different quantities or parameters"):
+        run_group([2, 2], config, tmp_path)
+
+
 def test_ranks_on_different_steps_are_told(tmp_path):
     # Without DDP nothing else would pair the ranks' steps: step 0 would meet step 1.
     config = {"model": "mlp", "quantities": "every", "steps": 1, "sync": "none", "step_offset_on_rank1": 1}
