@@ -15,7 +15,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 
 from cockpit_fast.statistics import ROUTES, StepContext, StepPlan, StepStatistics
 from cockpit_fast._validation import check_info
-from cockpit_fast.distributed import GradientCapture, is_writer, reached_by_ranks, reduce_step, resolve_group
+from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, reduce_step, resolve_group
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
 from cockpit_fast.log_stream import LogStream, read_log, write_log
 from cockpit_fast.loggers import parameter_names
@@ -765,7 +765,7 @@ class _TrackedBackward:
                 f"info['batch_size'] is {stats.batch_size}, but the step's micro-batches held {stats.samples} samples"
             )
         if plan.group is not None:
-            stats.reached_elsewhere(*reached_by_ranks(stats.reached, stats.complete, plan.params, plan.group))
+            stats.agree(*agreed_by_ranks(stats.reached, stats.complete, stats.dropped, plan.params, plan.group))
         results = defaultdict(dict)
         for statistic, index, value in stats.values():
             results[statistic][index] = value

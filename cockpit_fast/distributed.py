@@ -9,9 +9,10 @@ each rank. A step's reductions travel in six collectives (seven with histograms:
 over one flat buffer:
 
 0. ``all_gather`` of the number and shapes of the tracked parameters (checked to agree), then of
-   which of them each rank's backward passes reached (:func:`reached_by_ranks`): a rank whose samples did not use one (a branch, an expert none
-   of its tokens chose) gives its samples' zero gradients for it, as one backward pass over the
-   global batch counts them;
+   which of them each rank's backward passes reached and whether it dropped what it kept
+   (:func:`agreed_by_ranks`): a rank whose samples did not use a parameter (a branch, an expert
+   none of its tokens chose) gives its samples' zero gradients for it, as one backward pass over
+   the global batch counts them;
 1. ``all_gather`` of each rank's batch size and buffer layout (checked to agree);
 2. ``all_reduce(SUM)`` of everything that adds up: the gradient sum ``sum_n ∇ℓ_n``, summed
    statistics back in units of ``∇ℓ_n`` (sums of squared gradients), the loss times ``N_r``,
@@ -40,7 +41,6 @@ _NOT_THE_SAME = (
     "the processes track different quantities or parameters at this step, or different steps: "
     "every rank must track the same, with the same global_step"
 )
-
 
 
 def resolve_group(process_group):
@@ -265,10 +265,12 @@ def _local_batch_size(ctx):
     )
 
 
-def reached_by_ranks(reached, complete, params, group):
-    """``(anywhere, everywhere)``: the indices of ``params`` that some rank's backward passes
-    reached, and those that every backward pass of every rank reached (``reached``, ``complete``:
-    this rank's own). Every rank gets the same two sets.
+def agreed_by_ranks(reached, complete, dropped, params, group):
+    """What the ranks' backward passes make of the step, alike on every rank: ``(anywhere,
+    everywhere, dropped)``, the indices of ``params`` that some rank's backward passes reached,
+    those that every backward pass of every rank reached, and whether some rank dropped the forms
+    it kept for the step's end (past ``max_kept_bytes``: then every rank skips what waited for
+    them). ``reached``, ``complete``, ``dropped``: this rank's own.
 
     Raises:
         ValueError: On every rank, if the ranks track different parameters (checked first: the
@@ -278,12 +280,13 @@ def reached_by_ranks(reached, complete, params, group):
     header = torch.tensor([len(params), shapes], dtype=torch.int64, device=params[0].device)
     if len({tuple(row) for row in _all_gather(header, group).tolist()}) != 1:
         raise ValueError(_NOT_THE_SAME)
-    mine = torch.zeros(2, len(params), dtype=torch.int32, device=params[0].device)
+    mine = torch.zeros(2, len(params) + 1, dtype=torch.int32, device=params[0].device)
     mine[0, sorted(reached)] = 1
     mine[1, sorted(complete)] = 1
+    mine[0, -1] = int(dropped)
     every = _all_gather(mine, group)
-    anywhere, everywhere = every[:, 0].amax(0), every[:, 1].amin(0)
-    return set(anywhere.nonzero().flatten().tolist()), set(everywhere.nonzero().flatten().tolist())
+    anywhere, everywhere = every[:, 0].amax(0), every[:, 1, :-1].amin(0)
+    return set(anywhere[:-1].nonzero().flatten().tolist()), set(everywhere.nonzero().flatten().tolist()), bool(anywhere[-1])
 
 
 def _all_gather(tensor, group):

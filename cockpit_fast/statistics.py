@@ -554,8 +554,11 @@ class StepStatistics:
             self._kept.append((batch, found))
             self.kept_bytes += sum(held_bytes(form) for _, _, form in found)
             if self.micro_batches > 1 and self.keep_limit is not None and self.kept_bytes > self.keep_limit:
-                self._kept.clear()
-                self.dropped = True
+                self._drop()
+
+    def _drop(self):
+        self._kept.clear()
+        self.dropped = True
 
     def _compute(self, batch, found, statistics, batch_size, grads=None):
         if not statistics:
@@ -579,11 +582,13 @@ class StepStatistics:
         """Indices of the parameters every micro-batch's backward pass reached."""
         return self._complete or set()
 
-    def reached_elsewhere(self, anywhere, everywhere):
-        """Under ``torch.distributed``, the indices of the parameters some rank's backward passes
-        reached (``anywhere``) and every one of them (``everywhere``), alike on every rank: those
-        this rank's did not reach get the values of its samples' zero gradients, as the global
-        batch's one backward pass would count them.
+    def agree(self, anywhere, everywhere, dropped):
+        """Under ``torch.distributed``, what every rank's backward passes made of the step (alike
+        on every rank): the indices of the parameters some of them reached (``anywhere``) and
+        every one of them (``everywhere``); those this rank's did not reach get the values of its
+        samples' zero gradients, as the global batch's one backward pass would count them.
+        ``dropped``: some rank dropped the forms it kept, so every rank skips what waited for
+        them.
 
         Raises:
             ValueError: On every rank alike, where a statistic reads the values of a parameter
@@ -598,11 +603,13 @@ class StepStatistics:
                 "micro-batch or rank of the step did not use: track them on steps that use every parameter"
             )
         self._elsewhere = set(anywhere) - self.reached
+        if dropped:
+            self._drop()
 
     def values(self):
         """``(statistic, index, value)`` over the micro-batches of every statistic but those that
         read the step's gradient."""
-        pending = self._at_end - self._waiting
+        pending = set() if self.dropped else self._at_end - self._waiting
         for batch, found in self._kept:
             self._compute(batch, found, pending, self.batch_size or self.samples)
         yield from self._merged(self._now | pending)
@@ -610,10 +617,11 @@ class StepStatistics:
     def later(self, grads):
         """``(statistic, index, value)`` of the statistics that read the step's gradient ``grads``
         (indexed like the parameters); none where their forms were dropped."""
+        waiting = set() if self.dropped else self._waiting
         for batch, found in self._kept:
-            self._compute(batch, found, self._waiting, self.batch_size or self.samples, grads)
+            self._compute(batch, found, waiting, self.batch_size or self.samples, grads)
         self._kept = []
-        yield from self._merged(self._waiting, grads)
+        yield from self._merged(waiting, grads)
 
     def _merged(self, statistics, grads=None):
         for statistic in statistics:

@@ -105,7 +105,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     model_on_rank1 (another model on rank 1, with the same input shape),
     step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
     log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
-    first samples take the "branch" model's branch). Logs and plots go to ``out``, a folder of this
+    first samples take the "branch" model's branch), max_kept_bytes (the cockpit's). Logs and plots go to ``out``, a folder of this
     rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
@@ -134,6 +134,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
         quantities=QUANTITY_SETS[names](),
         per_sample_route=config.get("route", "auto"),
         log_all_ranks=config.get("log_all_ranks", False),
+        max_kept_bytes=config.get("max_kept_bytes"),
     )
 
     def all_reduce_gradients():  # the global batch's mean gradient, each rank weighted by N_r / N

@@ -439,6 +439,6 @@ def test_under_fsdp2_reading_a_parameter_some_rank_did_not_use_is_refused_alike_
         stats = statistics.StepStatistics(params, requests, batch_size=8)
         if refused:
             with pytest.raises(ValueError, match=r"Hist2d.*read the values of tracked parameters \[2, 3\], sharded by FSDP2"):
-                stats.reached_elsewhere(anywhere, everywhere)
+                stats.agree(anywhere, everywhere, dropped=False)
         else:
-            stats.reached_elsewhere(anywhere, everywhere)
+            stats.agree(anywhere, everywhere, dropped=False)

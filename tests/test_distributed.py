@@ -70,6 +70,22 @@ def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(t
         )
 
 
+def test_a_rank_past_max_kept_bytes_skips_the_quantities_that_wait_on_every_rank(tmp_path):
+    # Rank 0's 5 samples outgrow the limit, rank 1's 3 do not: every rank skips what waited for the
+    # step's gradient (the ranks used to exchange buffers of other sizes: gloo aborted).
+    config = {"model": "mlp", "quantities": "first_order", "steps": STEPS, "micro_batches": 3, "max_kept_bytes": 900}
+    expected = _one_process({**config, "micro_batches": None, "max_kept_bytes": None}, 8)
+    for rank, result in enumerate(run_group([5, 3], config, tmp_path)):
+        for step, values in result["output"].items():
+            assert not {"InnerTest", "OrthoTest"} & set(values), f"rank {rank}, step {step}"
+            assert {"NormTest", "GradHist1d", "GradNorm"} <= set(values), f"rank {rank}, step {step}"
+            kept = {k: v for k, v in expected[step].items() if k in values}
+            assert_same_output(
+                comparable({step: values}), comparable({step: kept}), rtol=1e-4, atol=1e-6,
+                max_count_diff=EDGE_COUNTS, path=f"rank {rank}",
+            )
+
+
 @pytest.mark.parametrize("quantities, optimizer", [("first_order", "sgd"), ("alpha_adam", "adam")])
 def test_a_parameter_one_rank_does_not_reach_counts_its_samples_as_zeros(quantities, optimizer, tmp_path):
     # A branch only rank 0's samples take: rank 1's backward pass never reaches it (DDP with
