@@ -4,6 +4,7 @@ from the trainer's checkpoint; against float64 per-sample gradients from torch.f
 
 import copy
 import csv
+import warnings
 
 import pytest
 import torch
@@ -78,6 +79,18 @@ def test_accumulated_steps_and_a_shorter_last_cycle_match_float64_per_sample_gra
     assert [int(row["step"]) for row in rows] == [0, 1]
     assert float(rows[1]["cockpit/NormTest"]) == pytest.approx(output[1]["NormTest"], rel=1e-6)
     assert (tmp_path / "cockpit.json").exists() and (tmp_path / "cockpit__primary.png").exists()
+
+
+def test_an_epoch_whose_last_step_holds_one_sample_trains_on_and_skips_the_variances_there(tmp_path):
+    x, y = _data(9)  # batches of 4, 4, 1: steps of 8 samples and of 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback, _ = _fit(_Classifier(lr=0.1), "economy", x, y, tmp_path, max_epochs=1)
+    output = callback.cockpit.get_output()
+    assert {"NormTest", "InnerTest", "OrthoTest", "GradNorm"} <= set(output[0])
+    assert not {"NormTest", "InnerTest", "OrthoTest"} & set(output[1]) and "GradNorm" in output[1]
+    said = sorted(str(w.message).split(" needs")[0] for w in caught if "steps with 1 are skipped (first at step 1)" in str(w.message))
+    assert said == ["InnerTest", "NormTest", "OrthoTest"]
 
 
 def test_alpha_with_adam_is_the_same_over_two_micro_batches_as_over_one(tmp_path):

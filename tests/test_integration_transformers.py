@@ -4,6 +4,7 @@ trainer's loggers; against float64 per-sample gradients from torch.func on the s
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -164,6 +165,22 @@ def test_a_model_that_takes_no_token_count_is_divided_by_the_steps_micro_batches
     assert sorted(output) == [0, 1, 2, 3]
     for step, row in output.items():  # the trainer logs after its step: step + 1
         assert row["Loss"] == pytest.approx(logged[step + 1], rel=1e-3), step
+
+
+def test_an_epoch_whose_last_step_holds_one_sequence_trains_on_and_skips_the_variances_there(tmp_path):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=1,
+        learning_rate=1e-2, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    callback = CockpitCallback("economy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformers.Trainer(model=_gpt2(), args=args, train_dataset=_Sequences(count=9), callbacks=[callback]).train()
+    output = callback.cockpit.get_output()  # steps of 8 sequences and of 1
+    assert {"NormTest", "InnerTest", "OrthoTest", "GradNorm"} <= set(output[0])
+    assert not {"NormTest", "InnerTest", "OrthoTest"} & set(output[1]) and "GradNorm" in output[1]
+    said = sorted(str(w.message).split(" needs")[0] for w in caught if "steps with 1 are skipped (first at step 1)" in str(w.message))
+    assert said == ["InnerTest", "NormTest", "OrthoTest"]
 
 
 class _Labelled(torch.utils.data.Dataset):

@@ -1,12 +1,11 @@
 """Gradient noise scale (McCandlish et al., 2018)."""
 
 import numbers
-import warnings
 
 import torch
 
 from cockpit_fast.statistics import BATCH_L2
-from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state, skip_single_sample
 
 
 class GradNoiseScale(FastQuantity):
@@ -70,7 +69,6 @@ class GradNoiseScale(FastQuantity):
         self._ema_trace_sigma = 0.0
         self._ema_grad_sq = 0.0
         self._ema_steps = 0
-        self._warned_single_sample = False
 
     def statistics(self, ctx):
         return {BATCH_L2} if self.NEEDS_CALLS and self.should_compute(ctx.global_step) else set()
@@ -98,14 +96,7 @@ class GradNoiseScale(FastQuantity):
     def _compute(self, ctx):
         estimates = self._per_sample(ctx) if self.NEEDS_CALLS else self._from_micro_batches(ctx)
         if estimates is None:
-            if not self._warned_single_sample:
-                what = "samples" if self.NEEDS_CALLS else "micro-batches"
-                warnings.warn(
-                    f"GradNoiseScale needs at least 2 {what} to estimate the gradient's variance: "
-                    f"steps with 1 are skipped (first at step {ctx.global_step})"
-                )
-                self._warned_single_sample = True
-            return None
+            return skip_single_sample(self, "samples" if self.NEEDS_CALLS else "micro-batches", ctx.global_step)
         trace_sigma, grad_sq = estimates
         total_trace_sigma, total_grad_sq = trace_sigma.sum(), grad_sq.sum()
 

@@ -16,7 +16,9 @@ class InnerTest(FastQuantity):
 
     def _compute(self, ctx):
         projections = ctx.summed(DOT_MEAN_GRAD)  # <∇ℓ_n / N, g>
-        n = samples_for_variance(self, projections)
+        n = samples_for_variance(self, projections, ctx.global_step)
+        if n is None:
+            return None
         projections = n * projections
         grad_l2_squared = ctx.grad_l2_squared()
         variance = ((projections**2).sum() - n * grad_l2_squared**2) / (n - 1)

@@ -16,7 +16,9 @@ class NormTest(FastQuantity):
 
     def _compute(self, ctx):
         batch_l2 = ctx.summed(BATCH_L2)  # ||∇ℓ_n / N||²
-        n = samples_for_variance(self, batch_l2)
+        n = samples_for_variance(self, batch_l2, ctx.global_step)
+        if n is None:
+            return None
         grad_l2_squared = ctx.grad_l2_squared()
         variance_l1 = (n**2 * batch_l2.sum() - n * grad_l2_squared) / (n - 1)
         return (variance_l1 / n / grad_l2_squared).sqrt()

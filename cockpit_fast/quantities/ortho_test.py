@@ -17,7 +17,9 @@ class OrthoTest(FastQuantity):
 
     def _compute(self, ctx):
         batch_l2 = ctx.summed(BATCH_L2)  # ||∇ℓ_n / N||²
-        n = samples_for_variance(self, batch_l2)
+        n = samples_for_variance(self, batch_l2, ctx.global_step)
+        if n is None:
+            return None
         projections = n * ctx.summed(DOT_MEAN_GRAD)
         grad_l2_squared = ctx.grad_l2_squared()
         variance = (n**2 * batch_l2.sum() - (projections**2 / grad_l2_squared).sum()) / (n - 1)

@@ -10,6 +10,7 @@ in plain types and CPU tensors (:func:`plain_state`), for
 :meth:`cockpit_fast.cockpit.Cockpit.state_dict`.
 """
 
+import warnings
 from collections import defaultdict
 
 import numpy
@@ -51,6 +52,7 @@ class FastQuantity:
         self._verbose = verbose
         self._pending = {}  # step -> value as computed, tensors on the device
         self._output = {}  # step -> value converted for output
+        self._warned_single_sample = False  # a step of one sample, where a variance is estimated
 
     def should_compute(self, global_step):
         """Whether this quantity does any work at ``global_step``."""
@@ -177,19 +179,27 @@ class Deferred:
         return self._finish(*to_output(self._inputs))
 
 
-def samples_for_variance(quantity, per_sample):
-    """The number of samples behind ``per_sample``; an unbiased variance over them needs two.
-
-    Raises:
-        ValueError: On a batch of one sample (Cockpit 1.0.2 divides by zero there).
-    """
+def samples_for_variance(quantity, per_sample, global_step):
+    """The number of samples behind ``per_sample``, or None on a step of one sample (the last
+    batch of an epoch), which an unbiased variance cannot use: Cockpit 1.0.2 divides by zero
+    there, this quantity skips the step and says so once (:func:`skip_single_sample`)."""
     n = per_sample.shape[0]
     if n < 2:
-        raise ValueError(
-            f"{type(quantity).__name__} estimates a variance over the samples of the mini-batch "
-            f"and needs at least 2 of them, got {n}"
-        )
+        return skip_single_sample(quantity, "samples", global_step)
     return n
+
+
+def skip_single_sample(quantity, what, global_step):
+    """None, for ``quantity``'s step ``global_step`` of one of ``what`` (samples, micro-batches);
+    warns the first time."""
+    if not quantity._warned_single_sample:
+        warnings.warn(
+            f"{type(quantity).__name__} needs at least 2 {what} to estimate the gradient's variance: steps with 1 "
+            f"are skipped (first at step {global_step})",
+            RuntimeWarning,
+        )
+        quantity._warned_single_sample = True
+    return None
 
 
 def to_output(value):
