@@ -347,6 +347,48 @@ def test_a_parameter_frozen_after_the_cockpit_was_made_is_a_clear_error():
         cockpit(0, info={})
 
 
+class _PositionsFirst(nn.Module):
+    """Positions looked up before the tokens, as ``pos(torch.arange(T))``: the first call's output
+    is (T, E), no batch; with as many classes as positions every later call showed T along the
+    dimension after the samples (and was taken as time-first until the model's input told N)."""
+
+    def __init__(self, width=N, classes=3):
+        super().__init__()
+        self.pos, self.tok = nn.Embedding(8, width), nn.Embedding(11, width)
+        self.mlp, self.head = nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, ids):
+        h = self.pos(torch.arange(ids.shape[1])) + self.tok(ids)
+        return self.head(torch.tanh(self.mlp(h)).mean(1))
+
+
+def test_positions_looked_up_before_the_tokens_keep_the_models_samples_and_rules():
+    torch.manual_seed(0)
+    model = _PositionsFirst().double()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    for step, tokens in enumerate([3, 4, 3]):  # 3 = the classes
+        ids, y = torch.randint(0, 11, (N, tokens)), torch.randint(0, 3, (N,))
+        model.zero_grad(set_to_none=True)
+        losses = losses_of(model, ids, y)
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        expected = _norm_test(flat(oracle_grads(model, list(model.parameters()), losses_of, ids, y)))
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_a_sparse_embedding_is_a_clear_error_in_the_forward_pass(reader):
+    model = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    if reader == "cockpit":  # (held in a name: its hooks live as long as it does)
+        watching = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    else:
+        watching = GradientMetricCollector([gm.PNorm(model, p=2)])
+    with pytest.raises(ValueError, match=r"Embedding\(sparse=True\) gives its weight a sparse gradient.*sparse=False"):
+        model(torch.randint(0, 9, (N, 3)))
+
+
 def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
     model = _mlp()
     x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))

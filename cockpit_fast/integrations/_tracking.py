@@ -35,7 +35,8 @@ def sample_losses(logits, labels, num_items_in_batch=None):
     if logits.dim() == 3 and labels.shape == logits.shape[:-1]:
         return causal_lm_losses(logits, labels, num_items_in_batch=num_items_in_batch)
     if logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0] and not labels.is_floating_point():
-        return F.cross_entropy(logits.float(), labels, reduction="none")
+        # In float32 at least: a half-precision model's logits upcast, a float64 one's left as they are.
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="none")
     return None
 
 

@@ -239,7 +239,7 @@ class Capture:
         self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
         me = weakref.ref(self)
         # Python bookkeeping, hidden from torch.compile: compiled models call it between graphs.
-        self._enter_hook = torch.compiler.disable(lambda m, a: _call(me, "_enter", m))
+        self._enter_hook = torch.compiler.disable(lambda m, a: _call(me, "_enter", m, a))
         self._leave_hook = torch.compiler.disable(lambda m, a, *rest: _call(me, "_exit", m, a, *rest))
         self._handles = []  # the global hooks while watching (one list: the finalizer removes what it holds)
         self.watch(True)
@@ -265,11 +265,11 @@ class Capture:
             self._handles.clear()
             self._frames.clear()
 
-    def _enter(self, module):
-        if not self._frames:
-            self._batch = 1
+    def _enter(self, module, args):
         # __dict__: plain attributes only, without Module.__getattr__'s slow path on every call.
         time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
+        if not self._frames:  # the model's input shows its samples (a first call may not: positions looked up)
+            self._batch = _samples_in(args, 1 if time_first else 0)
         self._frames.append((module, set(), time_first))
 
     def _exit(self, module, args, kwargs=None, output=None):  # no output: the forward raised
@@ -289,6 +289,11 @@ class Capture:
             return None
         if not self._frames and owned:
             self._root = weakref.ref(module)  # the model, whose names the engine reports
+        if owned and module.__dict__.get("sparse") is True:
+            raise ValueError(
+                f"{type(module).__name__}(sparse=True) gives its weight a sparse gradient, which the per-sample "
+                "statistics do not read: track it with sparse=False (the same gradient, dense)"
+            )
         if self._frames and parametrized.evaluates_a_parametrization(module, self._frames[-1][0]):
             # One tensor for every sample: its parameters are left to the enclosing call, whose
             # rule's forms are chained through the parametrization.
@@ -474,6 +479,12 @@ class _Mixing:
 
     def __init__(self, module):
         self.module = module
+
+
+def _samples_in(args, sample_dim):
+    """The samples the model's first tensor input holds along ``sample_dim`` (1: none told)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first.shape[sample_dim] if first is not None and first.dim() > sample_dim else 1
 
 
 def _call(ref, method, *args):
