@@ -37,6 +37,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from cockpit_fast.per_sample.capture import OBSERVES_THE_STEP
+
 _NOT_THE_SAME = (
     "the processes track different quantities or parameters at this step, or different steps: "
     "every rank must track the same, with the same global_step"
@@ -99,6 +101,7 @@ class GradientCapture:
             kept = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
             self.grads[index] = kept if index not in self.grads else self.grads[index] + kept
 
+        setattr(keep, OBSERVES_THE_STEP, True)  # not a hook each sample's gradient passes
         return keep
 
     def take(self):

@@ -389,6 +389,27 @@ def test_a_sparse_embedding_is_a_clear_error_in_the_forward_pass(reader):
         model(torch.randint(0, 9, (N, 3)))
 
 
+@pytest.mark.parametrize("backward, warned", [("sum", True), ("mean", False), ("mean_plus_decay", True), ("mean_bf16", False)])
+def test_a_first_step_whose_backward_ran_on_another_loss_is_warned_of(backward, warned):
+    model = _mlp()
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward.endswith("bf16")):
+        losses = F.cross_entropy(model(x).float(), y, reduction="none")
+    ran_on = {
+        "sum": losses.sum(), "mean": losses.mean(), "mean_bf16": losses.mean(),
+        "mean_plus_decay": losses.mean() + sum(p.square().sum() for p in model.parameters()),
+    }[backward]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            ran_on.backward()
+    said = [str(w.message) for w in caught if "backward() ran on another loss" in str(w.message)]
+    assert len(said) == warned, said
+    if backward == "sum":
+        assert said[0].startswith(f"the backward pass's gradient is {1 - 1 / N:.3g} of its norm away")
+
+
 def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
     model = _mlp()
     x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
@@ -401,6 +422,23 @@ def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
         with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
         assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-4)
+
+
+def test_two_cockpits_around_one_backward_pass_each_get_the_oracles_numbers():
+    # Each keeps the step's gradient with a hook on the parameters: the other's per-sample
+    # gradients must not pass through it (they were added to its gradient, as a second pass).
+    model = _mlp()
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    outer = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    inner = Cockpit(list(model.parameters()), quantities=[quantities.InnerTest(EVERY), quantities.GradNorm(EVERY)])
+    g = _oracle(model, x, y)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    info = {"batch_size": N, "individual_losses": losses, "loss": losses.mean()}
+    with outer(0, info=info), inner(0, info=dict(info)):
+        losses.mean().backward()
+    assert outer.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-4)
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
+    assert inner.get_output()[0]["GradNorm"] == pytest.approx(norms, rel=1e-4)
 
 
 def test_a_hook_with_a_side_effect_runs_once_per_sample_in_the_collector_as_in_gradient_metrics():

@@ -379,8 +379,8 @@ class Capture:
         """Keep the calls whose outputs get gradients in the next backward pass, and those
         gradients (or what ``keep(call, gradient, output index)`` makes of each)."""
         self._fired, self._keep = [], keep
-        # The user's hooks on parameters, applied to each sample's gradient (not ours, added later).
-        self.hooked = {id(p) for p in self._tracked.values() if p._backward_hooks}
+        # The user's hooks on parameters, applied to each sample's gradient.
+        self.hooked = {id(p) for p in self._tracked.values() if users_hooks(p)}
 
     def disarm(self, skip=(), forms=True):
         """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached
@@ -404,7 +404,7 @@ class Capture:
             form = combine(found)
             form.computed_in = least_precise(computed_in[key])
             if key in self.hooked:
-                form = HookedGrads(form, list(self._tracked[key]._backward_hooks.values()))
+                form = HookedGrads(form, users_hooks(self._tracked[key]))
             forms[key] = form
         return forms, fired
 
@@ -479,6 +479,16 @@ class _Mixing:
 
     def __init__(self, module):
         self.module = module
+
+
+OBSERVES_THE_STEP = "_cockpit_fast_observes_the_step"
+"""Attribute set on a hook that keeps a parameter's gradient for a cockpit (of this one, or of
+another on the same parameters): it reads the step's gradient, not each sample's."""
+
+
+def users_hooks(param):
+    """The hooks on ``param`` that are the user's: those that each sample's gradient passes too."""
+    return [hook for hook in (param._backward_hooks or {}).values() if not getattr(hook, OBSERVES_THE_STEP, False)]
 
 
 def _samples_in(args, sample_dim):

@@ -40,6 +40,11 @@ SUM_CHECK_SLACK = 16
 summed, ``eps`` the machine epsilon of the less precise of the two sums' dtypes (:func:`adds_up`)."""
 
 
+ANOTHER_LOSS = 0.05
+"""How far (relative, in norm) the first step's gradient may be from its samples' gradients' sum
+before :meth:`Engine.end` says that the backward pass ran on another loss."""
+
+
 class Engine:
     """Per-sample gradients of ``params``, by the cheapest exact route for each.
 
@@ -120,6 +125,7 @@ class Engine:
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
             if losses is not None and unchecked and losses.shape[0] > 0:
                 step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
+                step.check = True  # the backward pass's gradient, against the forms
                 return step
             whole = self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
             step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
@@ -152,6 +158,8 @@ class Engine:
                 call.spent = True
             self._resumed = False
         if not step.armed:
+            if step.check and grads:
+                self._warn_if_another_loss(step.forms, grads)
             return step.forms
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
@@ -337,6 +345,26 @@ class Engine:
         pairs = {key: pair for key, pair in pairs.items() if key in magnitudes}
         floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
         return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
+
+    def _warn_if_another_loss(self, forms, grads):
+        """The checks' forms are each sample's gradient of the losses as the caller weighs them:
+        a backward pass that ran on another loss (a sum where the caller said mean, a term no
+        sample has) gives another gradient, which the statistics would set against them. Off by
+        more than ANOTHER_LOSS of its norm: rounding is far less, also where a model computes
+        in a narrower dtype inside (Mamba's float32 scan in a float64 model: 1e-7)."""
+        pairs = [(form.grad, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)]
+        if not pairs:
+            return
+        off = torch.stack([(s.double() - g.double()).square().sum() for s, g in pairs]).sum().sqrt()
+        size = torch.stack([g.double().square().sum() for _, g in pairs]).sum().sqrt()
+        if bool(off > ANOTHER_LOSS * size):  # (False where either is not finite: a NaN loss is warned of elsewhere)
+            warnings.warn(
+                f"the backward pass's gradient is {float(off / size):.3g} of its norm away from the sum of the samples' "
+                "gradients of their losses as info['loss'] (or micro_batch(loss=...)) weighs them: backward() ran on "
+                "another loss (a sum where that loss is a mean, a term no sample has), and the statistics set each "
+                "sample's gradient against that gradient. Run backward() on the loss handed in",
+                RuntimeWarning,
+            )
 
     def _record_routes(self, fired, whole, found):
         routes = {}
