@@ -575,6 +575,12 @@ class _TrackedBackward:
         self._open = True
         return self
 
+    @property
+    def unscale(self):
+        """What the step's backward passes' gradients are multiplied by to be in the units of
+        its loss: ``1 / scale`` of ``info['grad_scaler']``, else 1."""
+        return self._plan.unscale
+
     def micro_batch(self, individual_losses=None, loss=None, batch_size=None):
         """Start the next micro-batch of a step accumulated over several: call it after the
         micro-batch's forward pass and before its backward pass, the first micro-batch's too.

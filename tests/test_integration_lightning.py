@@ -93,6 +93,27 @@ def test_an_epoch_whose_last_step_holds_one_sample_trains_on_and_skips_the_varia
     assert said == ["InnerTest", "NormTest", "OrthoTest"]
 
 
+def test_fp16_mixed_precision_with_a_grad_scaler_gives_the_statistics_of_the_unscaled_gradient(tmp_path):
+    # As "16-mixed" runs on a GPU (on the CPU Lightning takes no scaler unless handed one): the
+    # loss Lightning hands the callback, and the gradients, are the scale's multiples.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    x, y = _data(8)
+    module = _Classifier(lr=0.0)
+    twin = copy.deepcopy(module.net).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.GradNorm(EVERY)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    callback, _ = _fit(module, tracked, x, y, tmp_path, max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
+    output = callback.cockpit.get_output()[0]
+    rel = 8 * torch.finfo(torch.float16).eps  # the forward pass in float16
+    for name, value in gradient_tests(g).items():
+        if name in output:
+            assert output[name] == pytest.approx(value, rel=rel), name
+    norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in twin.parameters()], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=rel)  # was 1024 times these
+
+
 def test_alpha_with_adam_is_the_same_over_two_micro_batches_as_over_one(tmp_path):
     """Alpha keeps each step's individual gradients until Adam's update is known, then projects
     them once, whichever micro-batch of the next step reads them."""

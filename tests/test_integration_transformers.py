@@ -167,6 +167,34 @@ def test_a_model_that_takes_no_token_count_is_divided_by_the_steps_micro_batches
         assert row["Loss"] == pytest.approx(logged[step + 1], rel=1e-3), step
 
 
+def test_fp16_mixed_precision_with_accelerates_grad_scaler_gives_the_statistics_of_the_unscaled_gradient(tmp_path):
+    # fp16=True on a GPU: accelerate's backward multiplies the loss by its GradScaler's scale (set
+    # by hand here, where the CPU takes none; the forward pass stays float32).
+    model = _gpt2()
+    twin = copy.deepcopy(model).double()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES // 2, gradient_accumulation_steps=2,
+        max_steps=1, learning_rate=0.0, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        logging_strategy="no", seed=0,
+    )
+    callback = CockpitCallback([quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.GradNorm(EVERY)])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(), callbacks=[callback])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "ran on another loss" in str(w.message)]
+    data = _Sequences()
+    params = list(twin.parameters())
+    g = flat(oracle_grads(twin, params, _token_sums, data.ids, data.labels))
+    output = callback.cockpit.get_output()[0]
+    for name in ("NormTest", "InnerTest"):
+        assert output[name] == pytest.approx(gradient_tests(g)[name], rel=1e-4), name
+    counted = int((data.labels != -100).sum())  # the tokens GPT-2's loss averages over
+    norms = [float(part.sum(0).norm()) / counted for part in g.split([p.numel() for p in params], 1)]
+    assert output["GradNorm"] == pytest.approx(norms, rel=1e-4, abs=1e-9)  # was 1024 times these
+
+
 def test_an_epoch_whose_last_step_holds_one_sequence_trains_on_and_skips_the_variances_there(tmp_path):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=1,

@@ -54,18 +54,25 @@ class TrainerSteps:
         self._step = None  # the open step, from its `with` statement's __enter__
         self._abandoned = False
 
-    def begin(self, global_step, optimizer):
-        """Open the step ``global_step`` (closing one a failed step left open)."""
+    def begin(self, global_step, optimizer, grad_scaler=None):
+        """Open the step ``global_step`` (closing one a failed step left open); ``grad_scaler``:
+        the trainer's ``GradScaler`` (fp16 mixed precision), whose scale its backward passes
+        multiply the loss by."""
         self.abandon()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's and Lightning's wrappers
         info = {"optimizer": optimizer} if isinstance(optimizer, torch.optim.Optimizer) else {}
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            info["grad_scaler"] = grad_scaler
         step = self.cockpit(global_step, info=info)
         step.__enter__()
         self._step = step
 
-    def micro_batch(self, individual_losses, loss):
-        """A micro-batch's forward pass ran: its losses (None where the cockpit cannot tell them)."""
+    def micro_batch(self, individual_losses, loss, scaled=False):
+        """A micro-batch's forward pass ran: its losses (None where the cockpit cannot tell them)
+        and the loss backpropagated (``scaled``: already times the step's grad scaler's scale)."""
         if self._step is not None:
+            if scaled and loss is not None:
+                loss = loss * self._step.unscale
             self._step.micro_batch(individual_losses=individual_losses, loss=loss)
 
     def end(self):
@@ -166,14 +173,16 @@ def lightning_callback(base):
                 self.load_state_dict({"cockpit": self._restored})
 
         def on_before_backward(self, trainer, pl_module, loss):
+            # fp16 mixed precision: `loss` comes scaled by the precision plugin's GradScaler.
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
             if not self._steps.open:  # the optimizer step's first micro-batch, its gradients zeroed
-                self._steps.begin(trainer.global_step, trainer.optimizers[0] if trainer.optimizers else None)
+                self._steps.begin(trainer.global_step, trainer.optimizers[0] if trainer.optimizers else None, scaler)
             losses = getattr(pl_module, self.losses_attribute, None)
             if losses is not None:
                 setattr(pl_module, self.losses_attribute, None)  # this micro-batch's, no later one's
             given = isinstance(losses, torch.Tensor)
             # `loss` is what Lightning backpropagates: the module's, over accumulate_grad_batches.
-            self._steps.micro_batch(losses if given else None, loss if given else None)
+            self._steps.micro_batch(losses if given else None, loss if given else None, scaled=scaler is not None)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self._steps.end()

@@ -91,7 +91,8 @@ class CockpitCallback(TrainerCallback):
         return steps if steps is not None else self._args.gradient_accumulation_steps
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        self._steps.begin(state.global_step, optimizer)
+        # fp16 mixed precision: accelerate's backward multiplies the loss by its GradScaler's scale.
+        self._steps.begin(state.global_step, optimizer, getattr(getattr(self._trainer, "accelerator", None), "scaler", None))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._steps.end()
