@@ -59,8 +59,8 @@ def _gpt2():
 def _train(model, tmp_path, accumulation, tracked, steps=1, **kwargs):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES // accumulation,
-        gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-2, report_to="none",
-        use_cpu=True, disable_tqdm=True, seed=0, **{"save_strategy": "no", "logging_strategy": "no", **kwargs},
+        gradient_accumulation_steps=accumulation, max_steps=steps, report_to="none", use_cpu=True, disable_tqdm=True,
+        seed=0, **{"learning_rate": 1e-2, "save_strategy": "no", "logging_strategy": "no", **kwargs},
     )
     callback = CockpitCallback(tracked, logpath=str(tmp_path / "cockpit"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Sequences(), callbacks=[callback])
@@ -193,6 +193,22 @@ def test_fp16_mixed_precision_with_accelerates_grad_scaler_gives_the_statistics_
     counted = int((data.labels != -100).sum())  # the tokens GPT-2's loss averages over
     norms = [float(part.sum(0).norm()) / counted for part in g.split([p.numel() for p in params], 1)]
     assert output["GradNorm"] == pytest.approx(norms, rel=1e-4, abs=1e-9)  # was 1024 times these
+
+
+def test_a_compiled_model_under_bf16_autocast_is_tracked_on_every_step(tmp_path):
+    # torch_compile=True inlines the model's hooks: the callback's own stays out of the graph
+    # (Dynamo traced the cockpit's bookkeeping and failed on the second step).
+    model = _gpt2()
+    twin = copy.deepcopy(model).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY)]
+    callback, _ = _train(model, tmp_path, 2, tracked, steps=3, learning_rate=0.0, torch_compile=True, bf16=True)
+    data = _Sequences()
+    expected = gradient_tests(flat(oracle_grads(twin, list(twin.parameters()), _token_sums, data.ids, data.labels)))
+    output = callback.cockpit.get_output()
+    assert sorted(output) == [0, 1, 2]
+    for step in output:  # the same batch and weights every step (the learning rate is 0)
+        for name in ("NormTest", "InnerTest"):
+            assert output[step][name] == pytest.approx(expected[name], rel=8 * torch.finfo(torch.bfloat16).eps), (step, name)
 
 
 def test_an_epoch_whose_last_step_holds_one_sequence_trains_on_and_skips_the_variances_there(tmp_path):

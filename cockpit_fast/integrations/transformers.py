@@ -60,7 +60,8 @@ class CockpitCallback(TrainerCallback):
             self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes, self.logpath)
             self._steps = TrainerSteps(self.cockpit)
         if self._hook is None:
-            self._hook = model.register_forward_hook(self._micro_batch, with_kwargs=True)
+            # Bookkeeping, hidden from torch.compile (torch_compile=True inlines the model's hooks).
+            self._hook = model.register_forward_hook(torch.compiler.disable(self._micro_batch), with_kwargs=True)
         self._args = args
         self._trainer, resumed_from = _calling_trainer()
         saved = None if resumed_from is None else os.path.join(resumed_from, STATE_FILE)
