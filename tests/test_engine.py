@@ -410,6 +410,50 @@ def test_a_first_step_whose_backward_ran_on_another_loss_is_warned_of(backward, 
         assert said[0].startswith(f"the backward pass's gradient is {1 - 1 / N:.3g} of its norm away")
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.first(t)), x, use_reentrant=False)
+        return self.second(h)
+
+
+def test_routes_name_the_models_parameters_under_activation_checkpointing():
+    # The backward pass recomputes `first` alone: its call is not the model, whose names count.
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    for step in range(2):
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        assert list(cockpit.routes()) == [name for name, _ in model.named_parameters()], step
+    unchecked = nn.Sequential(model.first, nn.Tanh(), model.second)  # the same function (torch.func refuses checkpoints)
+    assert cockpit.get_output()[1]["NormTest"] == pytest.approx(_norm_test(_oracle(unchecked, x, y)), rel=1e-4)
+
+
+def test_a_replayed_calls_per_sample_gradients_carry_no_graph():
+    # GPTLike's own call is replayed for its positions: through its blocks' parameters, read as
+    # they are, the per-sample gradients carried their graph (torch warned on reading them).
+    from any_models import GPTLike, token_losses
+
+    torch.manual_seed(0)
+    model = GPTLike(width=16, tokens=6, layers=1)
+    ids = torch.randint(0, 13, (N, 6), generator=torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = token_losses(model(ids), ids)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Converting a tensor with requires_grad=True")
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    assert "replayed with torch.func" in cockpit.routes()["position"]
+    assert cockpit.get_output()[0]["NormTest"] > 0
+
+
 def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
     model = _mlp()
     x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))

@@ -287,8 +287,10 @@ class Capture:
             if self._frames:
                 self._frames[-1][1].update(claimed_inside)
             return None
-        if not self._frames and owned:
-            self._root = weakref.ref(module)  # the model, whose names the engine reports
+        if not self._frames and owned and torch._C._current_graph_task_id() == -1:
+            # The model, whose names the engine reports (not a block that activation
+            # checkpointing recomputes alone in the backward pass).
+            self._root = weakref.ref(module)
         if owned and module.__dict__.get("sparse") is True:
             raise ValueError(
                 f"{type(module).__name__}(sparse=True) gives its weight a sparse gradient, which the per-sample "

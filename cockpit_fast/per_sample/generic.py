@@ -87,12 +87,14 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
         call_args, call_kwargs = tree_unflatten(restored, spec)
 
         def forward(p):
+            # (The parameters the call's inner calls claim are read as they are: detached below.)
             leaves = tree_flatten(functional_call(module, p, tuple(call_args), call_kwargs, tie_weights=True))[0]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
             return tuple(tensors[i].squeeze(out_dims[i]) for i in kept)
 
         _, pullback = vjp(forward, detached)
-        return pullback(tuple(sample_cotangents))[0]
+        # Values only: through the module's other parameters the result would carry their graph.
+        return {name: g.detach() for name, g in pullback(tuple(sample_cotangents))[0].items()}
 
     with torch.enable_grad(), _module_hooks_set_aside(module):
         try:
