@@ -114,6 +114,31 @@ def test_fp16_mixed_precision_with_a_grad_scaler_gives_the_statistics_of_the_uns
     assert output["GradNorm"] == pytest.approx(norms, rel=rel)  # was 1024 times these
 
 
+class _TwoOptimizers(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(FEATURES, CLASSES), nn.Linear(FEATURES, CLASSES)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for layer, opt in zip((self.a, self.b), self.optimizers()):
+            self.individual_losses = F.cross_entropy(layer(x), y, reduction="none")
+            self.manual_backward(self.individual_losses.mean())
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+def test_two_optimizers_are_one_clear_error_before_training(tmp_path):
+    # (Not a statistic wrong mid-run: "batch_l2 was not computed for parameters [2, 3]".)
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=r"tracks the steps of one optimizer.*_TwoOptimizers configures 2"):
+        _fit(_TwoOptimizers(), "economy", x, y, tmp_path, accumulation=1, max_epochs=1)
+
+
 def test_alpha_with_adam_is_the_same_over_two_micro_batches_as_over_one(tmp_path):
     """Alpha keeps each step's individual gradients until Adam's update is known, then projects
     them once, whichever micro-batch of the next step reads them."""

@@ -172,6 +172,14 @@ def lightning_callback(base):
             if self._restored is not None:
                 self.load_state_dict({"cockpit": self._restored})
 
+        def on_train_start(self, trainer, pl_module):
+            if len(trainer.optimizers) > 1:
+                raise ValueError(
+                    f"CockpitCallback tracks the steps of one optimizer, over every trainable parameter; "
+                    f"{type(pl_module).__name__} configures {len(trainer.optimizers)}: track it with a Cockpit in "
+                    "training_step instead (one per optimizer, over its parameters)"
+                )
+
         def on_before_backward(self, trainer, pl_module, loss):
             # fp16 mixed precision: `loss` comes scaled by the precision plugin's GradScaler.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
