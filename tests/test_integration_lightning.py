@@ -139,6 +139,30 @@ def test_two_optimizers_are_one_clear_error_before_training(tmp_path):
         _fit(_TwoOptimizers(), "economy", x, y, tmp_path, accumulation=1, max_epochs=1)
 
 
+def _every(step):  # (picklable, as what ddp_spawn sends must be)
+    return True
+
+
+def test_ddp_spawn_sends_the_callback_to_its_processes_and_rank_0_logs_the_global_batchs_numbers(tmp_path):
+    # ddp_spawn pickles the callback (a class made in a function, which pickle could not find).
+    from cockpit_fast.log_stream import read_log
+
+    x, y = _data(16)  # each step: 4 samples a process, 8 together
+    tracked = lambda: [quantities.NormTest(_every), quantities.InnerTest(_every), quantities.GradNorm(_every)]  # noqa: E731
+    spawned = CockpitCallback(tracked(), logpath=str(tmp_path / "spawned"), plot=False)
+    _fit(_Classifier(lr=0.0), None, x, y, tmp_path / "two", accumulation=1, max_epochs=1, callback=spawned,
+         strategy="ddp_spawn", devices=2)
+    # Lightning's DistributedSampler shuffles with seed 0: each step's global batch is these.
+    ranks = [list(torch.utils.data.DistributedSampler(range(16), num_replicas=2, rank=r, seed=0)) for r in range(2)]
+    order = [i for step in range(2) for rank in ranks for i in rank[4 * step : 4 * step + 4]]
+    one, _ = _fit(_Classifier(lr=0.0), tracked(), x[order], y[order], tmp_path / "one", batch=8, accumulation=1, max_epochs=1)
+    logged, expected = read_log(str(tmp_path / "spawned.json")), one.cockpit.get_output()
+    assert sorted(logged) == sorted(expected) == [0, 1]
+    for step in expected:
+        for name in ("NormTest", "InnerTest", "GradNorm"):
+            assert logged[step][name] == pytest.approx(expected[step][name], rel=1e-4), (step, name)
+
+
 def test_alpha_with_adam_is_the_same_over_two_micro_batches_as_over_one(tmp_path):
     """Alpha keeps each step's individual gradients until Adam's update is known, then projects
     them once, whichever micro-batch of the next step reads them."""

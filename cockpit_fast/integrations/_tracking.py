@@ -129,9 +129,10 @@ def write_results(cockpit, logpath, plot):
             CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=folder or ".", savename=name)
 
 
-def lightning_callback(base):
+def lightning_callback(base, module):
     """The Lightning callback (:mod:`cockpit_fast.integrations.lightning`) on ``base``, the
-    ``Callback`` class of ``lightning`` or of ``pytorch_lightning`` (two packages, two classes)."""
+    ``Callback`` class of ``lightning`` or of ``pytorch_lightning`` (two packages, two classes),
+    named as ``module``'s ``CockpitCallback`` (pickle finds it there: ``ddp_spawn`` sends it)."""
 
     class CockpitCallback(base):
         """Tracks ``quantities`` on every optimizer step of a Lightning ``Trainer``.
@@ -215,4 +216,5 @@ def lightning_callback(base):
                 self.cockpit.load_state_dict(state)
                 self._restored = None
 
+    CockpitCallback.__module__, CockpitCallback.__qualname__ = module, "CockpitCallback"
     return CockpitCallback

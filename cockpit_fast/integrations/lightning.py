@@ -23,4 +23,4 @@ from lightning.pytorch import Callback
 
 from cockpit_fast.integrations._tracking import lightning_callback
 
-CockpitCallback = lightning_callback(Callback)
+CockpitCallback = lightning_callback(Callback, __name__)

@@ -5,4 +5,4 @@ from pytorch_lightning import Callback
 
 from cockpit_fast.integrations._tracking import lightning_callback
 
-CockpitCallback = lightning_callback(Callback)
+CockpitCallback = lightning_callback(Callback, __name__)

@@ -84,8 +84,13 @@ class CockpitCallback(TrainerCallback):
             self._steps.micro_batch(None, None)
             return
         # The loss the trainer backpropagates: the model's, divided by the step's micro-batches
-        # where the model did not divide by the tokens of all of them itself.
-        self._steps.micro_batch(losses, loss if num_items is not None else loss / self._micro_batches())
+        # where the model did not divide by the tokens of all of them itself; where it divided by
+        # those of every process (average_tokens_across_devices, under torchrun), times their number.
+        if num_items is None:
+            self._steps.micro_batch(losses, loss / self._micro_batches())
+        else:
+            processes = self._args.world_size if getattr(self._args, "average_tokens_across_devices", False) else 1
+            self._steps.micro_batch(losses * processes, loss * processes)
 
     def _micro_batches(self):
         steps = getattr(self._trainer, "current_gradient_accumulation_steps", None)
