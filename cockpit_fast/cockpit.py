@@ -107,6 +107,7 @@ class Cockpit:
         self.process_group = resolve_group(process_group)
         self.log_all_ranks = log_all_ranks
         self._stream = LogStream(logpath + self.rank_suffix + ".json") if logpath is not None and self.is_writer() else None
+        self._rows_as_logged = logpath is not None  # get_output() as the log holds rows, on every rank
         self._recent = {}  # step -> row of the last rows streamed
         if per_sample_route not in ROUTES:
             raise ValueError(f"per_sample_route must be one of {ROUTES}, got {per_sample_route!r}")
@@ -273,10 +274,10 @@ class Cockpit:
     def get_output(self):
         """Results as ``{step: {quantity class name: value}}`` plus what :meth:`log` recorded
         (streaming, ``logpath`` given: the rows written read back, with the rest, as
-        :meth:`logged_output` gives them)."""
+        :meth:`logged_output` gives them; on a rank that writes no log, the same rows)."""
         self._collect()
-        if self._stream is None:
-            return self.output
+        if self._stream is None:  # (ranks that write no log: as rank 0's rows, read back from it)
+            return {step: self._with_learning_rate(step, row) for step, row in self.output.items()} if self._rows_as_logged else self.output
         output = self._stream.read()
         for step, row in self.output.items():  # in the form the log holds them
             output[step] = {**output.get(step, {}), **self._with_learning_rate(step, row)}

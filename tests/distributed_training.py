@@ -135,6 +135,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
         per_sample_route=config.get("route", "auto"),
         log_all_ranks=config.get("log_all_ranks", False),
         max_kept_bytes=config.get("max_kept_bytes"),
+        logpath=str(Path(out) / "streamed") if config.get("stream") and out is not None else None,
     )
 
     def all_reduce_gradients():  # the global batch's mean gradient, each rank weighted by N_r / N

@@ -151,6 +151,17 @@ def test_every_rank_writes_its_own_log_and_dashboard_when_asked(tmp_path):
     ]
 
 
+def test_a_streamed_log_s_rows_are_the_same_on_every_rank(tmp_path):
+    # Rank 0 writes the log and reads its rows back from it, with info['optimizer']'s learning rate.
+    config = {"model": "mlp", "quantities": "every", "steps": 2, "stream": True}
+    ranks = run_group([2, 2], config, tmp_path)
+    assert ranks[1]["written"] == [] and "streamed.json" in ranks[0]["written"]
+    for step, row in ranks[0]["output"].items():
+        assert sorted(ranks[1]["output"][step]) == sorted(row) and "learning_rate" in row
+    as_logged = lambda v: {k: as_logged(x) for k, x in v.items()} if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v  # noqa: E731
+    assert_same_output(as_logged(comparable(ranks[1]["output"])), as_logged(comparable(ranks[0]["output"])), rtol=0, atol=0, path="rank 1")
+
+
 def test_steps_that_read_no_batch_exchange_nothing(tmp_path):
     config = {"model": "mlp", "quantities": "time_only", "steps": 2}
     for result in run_group([2, 3], config, tmp_path):
