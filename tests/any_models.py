@@ -319,6 +319,27 @@ class Scale(nn.Module):
         return x * self.scale
 
 
+class InPlaceOutputs(nn.Module):
+    """Linear outputs on sequences changed in place (a query scaled with ``/=``; Longformer's
+    global query, from a time-first tensor): views of the matrix product, whose own hooks stop
+    firing once changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.query, self.global_query = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):  # (N, T, WIDTH)
+        h = torch.tanh(self.inp(x))
+        query = self.query(h)
+        query /= 2.0
+        first = h.new_zeros(1, h.shape[0], h.shape[2])
+        first[0] = h[:, 0]
+        global_query = self.global_query(first)  # (1, N, WIDTH): the samples along dimension 1
+        global_query *= 0.5
+        return self.head(torch.tanh(query.mean(1) + global_query[0]))
+
+
 def extended_unknown_layers():
     """A model ``backpack.extend``ed, as every Cockpit user does, with layers the engine has no
     rule for (a transposed convolution, a custom module): their replay must not run BackPACK's
@@ -399,6 +420,11 @@ MODELS = {
     "raw_use": (
         RawUse,
         lambda n, g, d: (torch.randn(n, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
+        lambda out, x, y: class_losses(out, y),
+    ),
+    "in_place_outputs": (
+        InPlaceOutputs,
+        lambda n, g, d: (torch.randn(n, TOKENS, WIDTH, generator=g, dtype=d), torch.randint(0, CLASSES, (n,), generator=g)),
         lambda out, x, y: class_losses(out, y),
     ),
     "batch_norm_training": (

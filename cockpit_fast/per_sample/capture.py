@@ -335,8 +335,8 @@ class Capture:
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
-        if len(outputs) == 1:  # a tensor hook costs less than a multi-grad hook (every call pays it)
-            outputs[0].register_hook(lambda grad: _call(me, "_fire", call, [grad]))
+        if len(outputs) == 1:  # one hook costs less than a multi-grad hook (every call pays it)
+            _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]))
         else:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
         return replaced
@@ -497,6 +497,34 @@ def _samples_in(args, sample_dim):
     """The samples the model's first tensor input holds along ``sample_dim`` (1: none told)."""
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     return first.shape[sample_dim] if first is not None and first.dim() > sample_dim else 1
+
+
+def _hook_output_grad(output, fire):
+    """``fire(gradient)`` with the gradient of a call's ``output``. An output that reshapes a
+    whole tensor the call computed (a Linear's on sequences: its matrix product, viewed) is
+    hooked where that tensor's gradient arrives: a hook on the view itself no longer fires once
+    the view is changed in place (Longformer's ``query /= sqrt(d)``), while the tensor's node
+    still receives the gradient of the values before the change."""
+    base, node = output._base, output.grad_fn
+    reshaped = (
+        base is not None
+        and base.grad_fn is not None
+        and node.next_functions[:1] == ((base.grad_fn, base.output_nr),)
+        and base.numel() == output.numel()
+        and base.is_contiguous()
+        and output.is_contiguous()
+        and base.storage_offset() == output.storage_offset()
+    )
+    if not reshaped:
+        output.register_hook(fire)
+        return
+    shape, index = output.shape, base.output_nr
+
+    def hook(grads):
+        if grads[index] is not None:
+            fire(grads[index].reshape(shape))
+
+    base.grad_fn.register_prehook(hook)
 
 
 def _call(ref, method, *args):
