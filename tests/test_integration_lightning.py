@@ -4,7 +4,12 @@ from the trainer's checkpoint; against float64 per-sample gradients from torch.f
 
 import copy
 import csv
+import os
+import socket
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +216,23 @@ def test_steps_no_quantity_tracks_are_not_watched_and_the_tracked_ones_keep_thei
     assert sorted(callback.cockpit.get_output()) == [0, 2, 4]
     assert set(callback.cockpit.routes().values()) == {"module-local: Linear rule"}
     assert not [w for w in caught if "whole-graph" in str(w.message)]
+
+
+def test_fsdp2_under_model_parallel_strategy_equals_one_process(tmp_path):
+    # configure_model shards after the callbacks' setup: the cockpit is made from the sharded parameters.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    script = str(Path(__file__).with_name("lightning_sharded.py"))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    for command in (launch + [script, str(tmp_path)], [sys.executable, script, str(tmp_path), "--one"]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    for rank in range(2):
+        output = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert sorted(output) == sorted(one) == [0, 1]
+        for step in one:
+            for name in ("Loss", "NormTest", "InnerTest", "GradNorm", "Distance"):
+                assert output[step][name] == pytest.approx(one[step][name], rel=1e-9, abs=1e-12), (rank, step, name)

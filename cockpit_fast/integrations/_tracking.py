@@ -163,7 +163,8 @@ def lightning_callback(base, module):
             self._steps = self._logger = None
             self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
 
-        def setup(self, trainer, pl_module, stage):
+        def on_fit_start(self, trainer, pl_module):
+            # (Not in setup(): configure_model, after it, may shard the parameters, FSDP2's fully_shard.)
             if self.cockpit is None:
                 self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes, self.logpath)
                 self._steps = TrainerSteps(self.cockpit)
