@@ -79,14 +79,30 @@ class GradientCapture:
     def __init__(self, params, keep_graph, copy=True, unsharded=None):
         self.grads = {}
         self._tasks = set()  # the backward passes (autograd graph tasks) that reached a parameter
-        in_graph = params if unsharded is None else [unsharded.in_graph(p) for p in params]
-        self._keepers = [(g, self._keeper(i, keep_graph, copy, p.dtype)) for i, (g, p) in enumerate(zip(in_graph, params))]
+        self._params, self._unsharded = params, unsharded
+        self._keepers = [self._keeper(i, keep_graph, copy, p.dtype) for i, p in enumerate(params)]
         self._handles = []
         self.attach()
 
     def attach(self):
-        """Keep the gradients of the backward passes from now on (again, after :meth:`remove`)."""
-        self._handles = [p.register_hook(keep) for p, keep in self._keepers]
+        """Keep the gradients of the backward passes from now on (again, after :meth:`remove`).
+        FSDP2's unsharded tensors that no forward pass has made yet (a step entered before the
+        run's first forward pass) are hooked after the forward pass that makes them."""
+        waiting = [i for i in range(len(self._params)) if not self._hook(i)]
+        if waiting:
+            def hook_made(*_):
+                waiting[:] = [i for i in waiting if not self._hook(i)]
+
+            self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook_made))
+
+    def _hook(self, index):
+        """Hooks parameter ``index``'s gradient; False where its tensor is not made yet."""
+        param = self._params[index]
+        in_graph = param if self._unsharded is None else self._unsharded.made(param)
+        if in_graph is None:
+            return False
+        self._handles.append(in_graph.register_hook(self._keepers[index]))
+        return True
 
     @property
     def passes(self):

@@ -63,17 +63,23 @@ class Unsharded:
             ValueError: If ``param`` is sharded but no FSDP2 module manages it, or its module has
                 not run a forward pass yet.
         """
-        if id(param) not in self._tracked:
-            return param
-        if id(param) not in self._to_graph:
-            self._refresh()
-        if id(param) not in self._to_graph:
+        made = self.made(param)
+        if made is None:
             raise ValueError(
                 f"a tracked parameter of shape {tuple(param.shape)} is a DTensor that no fully_shard-ed module's "
                 "forward pass has unsharded yet: the cockpit tracks sharded parameters of FSDP2 (fully_shard) after "
                 "the forward pass of the step"
             )
-        return self._to_graph[id(param)]
+        return made
+
+    def made(self, param):
+        """:meth:`in_graph`, or None where FSDP2 has not made that tensor yet (before the first
+        forward pass of ``param``'s module)."""
+        if id(param) not in self._tracked:
+            return param
+        if id(param) not in self._to_graph:
+            self._refresh()
+        return self._to_graph.get(id(param))
 
     def tracked(self, tensor):
         """The tracked parameter ``tensor`` stands for (itself where it is one); None for a
@@ -162,7 +168,8 @@ def _gather_shards(shards):
     buffer = local.new_zeros(width)
     buffer[: local.numel()] = local
     out = local.new_empty(world * width)
-    dist.all_gather_into_tensor(out, buffer, group=mesh.get_group())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the new name: torch 2.13)
+    gather(out, buffer, group=mesh.get_group())
     out = out.view(world, width)
     starts = [0] * world
     values = []

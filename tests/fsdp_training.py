@@ -85,11 +85,26 @@ def _batches(config, rank_sizes):
         yield torch.randint(0, VOCAB, (sum(rank_sizes), LENGTH), generator=data)
 
 
+def _accumulated(model, cockpit, step, ids, micro_batches, opt, distributed):
+    """One step over ``micro_batches`` micro-batches, as README's accumulation: the step entered
+    before the first forward pass (on step 0 before FSDP2 has unsharded any parameter), the
+    gradients reduced on the last micro-batch only."""
+    parts = ids.chunk(micro_batches)
+    with cockpit(step, info={"batch_size": len(ids), "optimizer": opt}) as tracked:
+        for index, part in enumerate(parts):
+            if distributed:
+                model.set_requires_gradient_sync(index == len(parts) - 1)
+            losses = _losses(model, part)
+            loss = losses.sum() / len(ids)
+            tracked.micro_batch(individual_losses=losses, loss=loss)
+            loss.backward()
+
+
 def train(config, rank=0, rank_sizes=None):
     """Train ``config["steps"]`` steps; under ``torch.distributed`` rank ``rank`` takes its
     slice of each global batch. config keys: model, steps, quantities ("first_order",
     "curvature"), optimizer ("sgd", "adam"), frozen (freeze the first block's MLP), mixed,
-    compile, float32."""
+    compile, float32, micro_batches (accumulated over that many)."""
     distributed = dist.is_initialized()
     model, blocks = build_lm(config["model"])
     if config.get("float32"):
@@ -108,10 +123,13 @@ def train(config, rank=0, rank_sizes=None):
     for step, batch in enumerate(_batches(config, rank_sizes)):
         ids = batch[start : start + local_n]
         opt.zero_grad()
-        losses = _losses(model, ids)
-        loss = losses.mean()
-        with cockpit(step, info={"batch_size": local_n, "individual_losses": losses, "loss": loss, "optimizer": opt}):
-            loss.backward()
+        if config.get("micro_batches"):
+            _accumulated(model, cockpit, step, ids, config["micro_batches"], opt, distributed)
+        else:
+            losses = _losses(model, ids)
+            loss = losses.mean()
+            with cockpit(step, info={"batch_size": local_n, "individual_losses": losses, "loss": loss, "optimizer": opt}):
+                loss.backward()
         if not distributed and len(set(rank_sizes)) > 1:
             # FSDP2's gradient: the average of the ranks' mean gradients.
             opt.zero_grad()

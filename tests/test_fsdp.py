@@ -32,14 +32,15 @@ def _one_process(config, rank_sizes):
         ("llama", [3, 2, 3], {}),
         ("gpt2", [3, 4], {"frozen": True}),
         ("gpt2", [4, 4], {"compile": True}),
+        ("gpt2", [4, 4], {"micro_batches": 2}),
     ],
-    ids=["gpt2-equal", "gpt2-unequal-adam", "llama-3-ranks", "gpt2-frozen-unequal", "gpt2-compiled-blocks"],
+    ids=["gpt2-equal", "gpt2-unequal-adam", "llama-3-ranks", "gpt2-frozen-unequal", "gpt2-compiled-blocks", "gpt2-accumulated"],
 )
 def test_every_statistic_equals_one_process_on_the_global_batch(model, rank_sizes, extra, tmp_path):
     # Loss, GradNorm, MeanGSNR, NormTest, InnerTest, OrthoTest, CABS, EarlyStopping, Alpha,
     # Distance, UpdateSize, Parameters, GradHist1d (adapted), GradHist2d, GradNoiseScale.
     config = {"job": "fsdp", "model": model, "steps": STEPS, **extra}
-    expected = _one_process({**config, "compile": False}, rank_sizes)
+    expected = _one_process({**config, "compile": False, "micro_batches": None}, rank_sizes)  # one backward pass
     ranks = run_group(rank_sizes, config, tmp_path)
     assert {"Alpha", "Distance", "UpdateSize", "GradHist2d", "GradNoiseScale", "Parameters"} <= set(expected[1])
     # Float64 models, but Llama's RMSNorm computes in float32: with other batch sizes its numbers
