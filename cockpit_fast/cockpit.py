@@ -552,6 +552,7 @@ class _TrackedBackward:
 
     def __enter__(self):
         cockpit, plan = self._cockpit, self._plan
+        refuse_fsdp1(cockpit.params)  # (wrapped after the cockpit was made)
         if cockpit._unsharded.active and self._extensions:
             raise ValueError(
                 f"{_needing(self._extensions, self._requested_by)} BackPACK's extensions, which do not run on parameters "

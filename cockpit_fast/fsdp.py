@@ -29,12 +29,15 @@ def is_sharded(tensor):
 
 
 def refuse_fsdp1(params):
-    """Raises a ValueError if ``params`` are FSDP1's flat parameters."""
-    if any(getattr(p, "_is_flat_param", False) for p in params):  # FlatParameter's own isinstance test
+    """Raises a ValueError if ``params`` are FSDP1's flat parameters, or parameters it flattened
+    into one (``use_orig_params=True`` keeps them as views; a model wrapped after the cockpit
+    was made leaves the cockpit's in the flat one)."""
+    # (FlatParameter's own isinstance test; the mark FSDP1 puts on each parameter it flattens)
+    if any(getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False) for p in params):
         raise ValueError(
-            "the parameters are FullyShardedDataParallel's (FSDP1) flat parameters, which hold every layer's "
-            "values in one tensor: the cockpit supports sharded training with FSDP2 (torch.distributed.fsdp."
-            "fully_shard); make the cockpit from model.parameters() of a model sharded with fully_shard"
+            "the parameters are FullyShardedDataParallel's (FSDP1): it flattens every layer's values into one "
+            "tensor: the cockpit supports sharded training with FSDP2 (torch.distributed.fsdp.fully_shard); make "
+            "the cockpit from model.parameters() of a model sharded with fully_shard"
         )
 
 

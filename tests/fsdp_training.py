@@ -165,11 +165,22 @@ def refusals(config, rank=0, rank_sizes=None):
     from cockpit_fast import ops
 
     said = {}
+    for original in (False, True):  # (use_orig_params=True: Lightning's FSDPStrategy's)
+        model, blocks = build_lm("gpt2")
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=original)
+        try:
+            Cockpit(wrapped.parameters(), quantities=quantities("first_order"))
+        except ValueError as error:
+            said[f"fsdp1, use_orig_params={original}"] = str(error)
     model, blocks = build_lm("gpt2")
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities("first_order"))
+    model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)  # after the cockpit
+    losses = _losses(model, torch.randint(0, VOCAB, (2, LENGTH)))
     try:
-        Cockpit(FullyShardedDataParallel(model, device_id=torch.device("cpu")).parameters(), quantities=quantities("first_order"))
+        with cockpit(0, info={"batch_size": 2, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
     except ValueError as error:
-        said["fsdp1"] = str(error)
+        said["fsdp1, wrapped later"] = str(error)
     model, blocks = build_lm("gpt2")
     weight = sharded(model, blocks, config).transformer.wte.weight
     try:
