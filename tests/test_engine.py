@@ -130,6 +130,39 @@ def test_a_call_computing_in_autocasts_dtype_but_returning_float32_is_checked_at
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05)
 
 
+class _Float32Norm(nn.Module):
+    """Gemma's RMSNorm: computes in float32 whatever the model's dtype (x.float(), weight.float())."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(features))
+
+    def forward(self, x):
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+@pytest.mark.parametrize("with_losses", [True, False])
+def test_a_float64_model_whose_layer_computes_in_float32_inside_is_checked_at_that_precision(with_losses):
+    """Gemma's and Mamba2's layers cast to float32 inside a float64 model: their sums are exact to
+    float32's rounding only, which is no sign of a use outside the layer (it sent their weights to
+    the whole graph with a false warning, and was a ValueError without the individual losses)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), _Float32Norm(16), nn.Linear(16, 3)).double()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (32,), generator=gen)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    info = {"batch_size": len(x), "loss": losses.mean(), **({"individual_losses": losses} if with_losses else {})}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a whole-graph route warns
+        with cockpit(0, info=info):
+            losses.mean().backward()
+    assert cockpit.routes()["2.weight"] == "module-local: _Float32Norm replayed with torch.func"
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-5)
+
+
 def test_a_cockpit_inside_an_autocast_region_computes_its_statistics_in_the_models_dtypes():
     """A float32 model's forward and backward passes outside autocast, the cockpit's block inside
     one (a loop that wraps the whole step, its backward pass taken out as PyTorch advises): the

@@ -64,6 +64,13 @@ class Call:
         # Autocast as the call ran: its replays run under it too, and its gradients were rounded there.
         self.autocast = _autocast_state(outputs[0].device.type)
         self.computed_in = _computed_in(args, outputs, self.autocast)
+        # Its own autograd nodes: those after its inputs' (autograd numbers them in order), read
+        # for the dtypes it computes in inside where a sum check fails (computed_in_graph).
+        self.output_node = first.grad_fn
+        inputs = (*args, *(kwargs or {}).values())
+        self._made_after = max(
+            (t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1
+        )
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's
@@ -88,6 +95,19 @@ class Call:
     def size(self):
         """How many values the call's parameters hold: what a replay forms per sample."""
         return sum(p.numel() for p in self.params.values())
+
+    def computed_in_graph(self):
+        """The least precise floating dtype among the values its own autograd nodes compute: a
+        cast inside its forward (Gemma's norm computes a float64 model's values in float32)."""
+        dtypes, seen, stack = [], set(), [self.output_node]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node._sequence_nr() <= self._made_after:
+                continue
+            seen.add(node)
+            dtypes += [meta.dtype for meta in node._input_metadata if meta.dtype.is_floating_point]
+            stack += [next_node for next_node, _ in node.next_functions]
+        return least_precise(dtypes)
 
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
