@@ -64,13 +64,6 @@ class Call:
         # Autocast as the call ran: its replays run under it too, and its gradients were rounded there.
         self.autocast = _autocast_state(outputs[0].device.type)
         self.computed_in = _computed_in(args, outputs, self.autocast)
-        # Its own autograd nodes: those after its inputs' (autograd numbers them in order), read
-        # for the dtypes it computes in inside where a sum check fails (computed_in_graph).
-        self.output_node = first.grad_fn
-        inputs = (*args, *(kwargs or {}).values())
-        self._made_after = max(
-            (t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1
-        )
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's
@@ -95,19 +88,6 @@ class Call:
     def size(self):
         """How many values the call's parameters hold: what a replay forms per sample."""
         return sum(p.numel() for p in self.params.values())
-
-    def computed_in_graph(self):
-        """The least precise floating dtype among the values its own autograd nodes compute: a
-        cast inside its forward (Gemma's norm computes a float64 model's values in float32)."""
-        dtypes, seen, stack = [], set(), [self.output_node]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or node._sequence_nr() <= self._made_after:
-                continue
-            seen.add(node)
-            dtypes += [meta.dtype for meta in node._input_metadata if meta.dtype.is_floating_point]
-            stack += [next_node for next_node, _ in node.next_functions]
-        return least_precise(dtypes)
 
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
@@ -230,6 +210,23 @@ def _computed_in(args, outputs, autocast):
     return least_precise(dtypes)
 
 
+def _computed_inside(node, inputs):
+    """The least precise floating dtype among the values of a call's own autograd nodes, from
+    its output's ``node`` down to those of its ``inputs`` (autograd numbers nodes in the order
+    it makes them): a cast inside its forward, as Gemma's norm computes a float64 model's values
+    in float32, rounds its parameters' gradients there."""
+    made_after = max((t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
+    dtypes, seen, stack = [], set(), [node]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node._sequence_nr() <= made_after:
+            continue
+        seen.add(node)
+        dtypes += [meta.dtype for meta in node._input_metadata if meta.dtype.is_floating_point]
+        stack += [next_node for next_node, _ in node.next_functions]
+    return least_precise(dtypes)
+
+
 def _broadcast(t, n):
     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1 and n > 1:
         return t.expand(n, *t.shape[1:])
@@ -251,6 +248,7 @@ class Capture:
         self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
+        self._casts_inside = weakref.WeakKeyDictionary()  # module -> the least precise dtype its own nodes compute in
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._root = None  # the outermost module with tracked parameters last called, for names
         self._keep = None
@@ -347,6 +345,9 @@ class Capture:
             time_first = True
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
+        if module not in self._casts_inside:  # (its code's casts: read once, on its first call)
+            self._casts_inside[module] = _computed_inside(outputs[0].grad_fn, (*args, *(kwargs or {}).values()))
+        call.computed_in = least_precise([call.computed_in, self._casts_inside[module]])
         if self.unsharded.active and call.needs_replay():
             # FSDP2 frees the unsharded values after the pass: a replay keeps its own (norms' weights, mostly).
             call.values = {name: module.get_parameter(name).detach().clone() for name in params}

@@ -171,7 +171,7 @@ class Engine:
         if unscale != 1.0:
             found = {key: ScaledGrads(form, unscale) for key, form in found.items()}
         if step.check:
-            wrong = self._sums_wrong(found, grads or {}, calls=[call for call, _ in fired])
+            wrong = self._sums_wrong(found, grads or {})
             if wrong:
                 raise ValueError(
                     f"the per-sample gradients of {self._describe(wrong)} do not add up to their gradient: "
@@ -243,8 +243,7 @@ class Engine:
         given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
         found = {key: form for key, form in found.items() if key in given}  # as end() does
         unreplayable = {}
-        checked = {k: f for k, f in found.items() if k not in whole}
-        for key in self._sums_wrong(checked, given, unreplayable, calls=[call for call, _ in fired]):
+        for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given, unreplayable):
             self._whole_only[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
             whole[key] = self._whole_only[key]
         for key, error in unreplayable.items():
@@ -329,12 +328,10 @@ class Engine:
         """The tensors the graph holds for ``params`` (under FSDP2 the unsharded ones)."""
         return [self.capture.unsharded.in_graph(p) for p in params]
 
-    def _sums_wrong(self, forms, grads, unreplayable=None, calls=()):
+    def _sums_wrong(self, forms, grads, unreplayable=None):
         """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``).
         ``unreplayable`` (a dict): where given, the forms that fail to be formed (a replay that
-        cannot run) go there, ``id -> the error's first line``, instead of raising. Where a form
-        fails, its ``calls`` (those of the pass) that computed in a less precise dtype inside than
-        their inputs and outputs tell (a cast in their forward), its rounding is taken there."""
+        cannot run) go there, ``id -> the error's first line``, instead of raising."""
         # The user's hooks change each sample's gradient, so theirs are not checked.
         pairs = {key: (form, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)}
         magnitudes = {}
@@ -347,15 +344,7 @@ class Engine:
                 unreplayable[key] = (str(error).splitlines() or [""])[0]
         pairs = {key: pair for key, pair in pairs.items() if key in magnitudes}
         floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
-        wrong = [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
-        for key in list(wrong):
-            inside = least_precise([call.computed_in_graph() for call in calls if key in {id(p) for p in call.params.values()}])
-            form, grad = pairs[key]
-            if least_precise([inside, form.computed_in]) != form.computed_in:
-                form.computed_in = least_precise([inside, form.computed_in])
-                if adds_up(form, grad, magnitudes[key], floor):
-                    wrong.remove(key)
-        return wrong
+        return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
 
     def _warn_if_another_loss(self, forms, given, grads):
         """The checks' forms add up to ``given``, the gradient of the losses as the caller weighs
