@@ -694,3 +694,22 @@ def test_a_step_number_that_skips_ahead_to_a_tracked_step_takes_the_whole_graph_
     _steps(model, cockpit, [15, 16], gen)
     with pytest.raises(ValueError, match="not watching"):
         _steps(model, cockpit, [20], gen, hand_in_losses=False)
+
+
+def test_the_calls_of_a_step_and_their_graph_are_let_go_after_it():
+    import gc
+
+    from cockpit_fast.per_sample.capture import Call
+
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(N, 7, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x).mean(1), y, reduction="none")
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        del losses
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Call)], step
