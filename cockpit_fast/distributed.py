@@ -88,17 +88,25 @@ class GradientCapture:
         """Keep the gradients of the backward passes from now on (again, after :meth:`remove`).
         FSDP2's unsharded tensors that no forward pass has made yet (a step entered before the
         run's first forward pass) are hooked after the forward pass that makes them."""
+        if self._unsharded is not None:
+            self._unsharded.refresh()
         waiting = [i for i in range(len(self._params)) if not self._hook(i)]
-        if waiting:
-            def hook_made(*_):
-                waiting[:] = [i for i in waiting if not self._hook(i)]
+        if not waiting:
+            return
 
-            self._handles.append(torch.nn.modules.module.register_module_forward_hook(hook_made))
+        def hook_made(module, *_):  # after each FSDP2 module's forward pass, its own
+            if self._unsharded.read(module):
+                waiting[:] = [i for i in waiting if not self._hook(i)]
+            if not waiting:
+                handle.remove()
+
+        handle = torch.nn.modules.module.register_module_forward_hook(hook_made)
+        self._handles.append(handle)
 
     def _hook(self, index):
         """Hooks parameter ``index``'s gradient; False where its tensor is not made yet."""
         param = self._params[index]
-        in_graph = param if self._unsharded is None else self._unsharded.made(param)
+        in_graph = param if self._unsharded is None else self._unsharded.made(param, refresh=False)
         if in_graph is None:
             return False
         self._handles.append(in_graph.register_hook(self._keepers[index]))

@@ -75,14 +75,24 @@ class Unsharded:
             )
         return made
 
-    def made(self, param):
+    def made(self, param, refresh=True):
         """:meth:`in_graph`, or None where FSDP2 has not made that tensor yet (before the first
-        forward pass of ``param``'s module)."""
+        forward pass of ``param``'s module); ``refresh``: read every FSDP2 state where not known."""
         if id(param) not in self._tracked:
             return param
-        if id(param) not in self._to_graph:
-            self._refresh()
+        if id(param) not in self._to_graph and refresh:
+            self.refresh()
         return self._to_graph.get(id(param))
+
+    def read(self, module):
+        """Reads the unsharded tensors of ``module``'s own FSDP2 parameters (its forward pass
+        makes them); False where it is no FSDP2 module."""
+        state_ref = _module_state_mapping.get(module)
+        state = None if state_ref is None else state_ref()
+        if not isinstance(state, FSDPState):
+            return False
+        self._read(state)
+        return True
 
     def tracked(self, tensor):
         """The tracked parameter ``tensor`` stands for (itself where it is one); None for a
@@ -90,22 +100,24 @@ class Unsharded:
         if not self._tracked:
             return None
         if id(tensor) not in self._to_tracked:
-            self._refresh()
+            self.refresh()
         return self._to_tracked.get(id(tensor))
 
-    def _refresh(self):
+    def refresh(self):
         """Reads every FSDP2 state's parameters (unsharded tensors exist after the first forward)."""
         for state_ref in list(_module_state_mapping.values()):
             state = state_ref()
-            if not isinstance(state, FSDPState):
-                continue
-            for group in state._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    shard = self._tracked.get(id(fsdp_param.sharded_param))
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if shard is not None and unsharded is not None:
-                        self._to_graph[id(shard)] = unsharded
-                        self._to_tracked[id(unsharded)] = shard
+            if isinstance(state, FSDPState):
+                self._read(state)
+
+    def _read(self, state):
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                shard = self._tracked.get(id(fsdp_param.sharded_param))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if shard is not None and unsharded is not None:
+                    self._to_graph[id(shard)] = unsharded
+                    self._to_tracked[id(unsharded)] = shard
 
 
 def norms(tensors):
