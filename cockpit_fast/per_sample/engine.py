@@ -124,7 +124,7 @@ class Engine:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
             if losses is not None and unchecked and losses.shape[0] > 0:
-                step.forms, step.given = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
+                step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
                 step.check = True  # the backward pass's gradient, against the forms
                 return step
             whole = self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
@@ -159,7 +159,7 @@ class Engine:
             self._resumed = False
         if not step.armed:
             if step.check and grads:
-                self._warn_if_another_loss(step.forms, step.given, grads)
+                self._warn_if_another_loss(step.forms, grads)
             return step.forms
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
@@ -252,7 +252,7 @@ class Engine:
         forms = {key: form for key, form in found.items() if key not in whole}
         forms.update(self._whole_graph(losses, tracked, whole, scale, calls))
         self._record_routes(fired, whole, found)
-        return forms, given
+        return forms
 
     def _share(self, calls, root, batch_size, handles):
         """Takes apart ``calls`` made once for every sample where their output is broadcast
@@ -346,18 +346,14 @@ class Engine:
         floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
         return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
 
-    def _warn_if_another_loss(self, forms, given, grads):
-        """The checks' forms add up to ``given``, the gradient of the losses as the caller weighs
-        them: a backward pass that ran on another loss (a sum where the caller said mean, a term
-        no sample has) gives another gradient, which the statistics would set against them. Off
-        by more than ANOTHER_LOSS of its norm: rounding is far less, also where a model computes
+    def _warn_if_another_loss(self, forms, grads):
+        """The checks' forms are each sample's gradient of the losses as the caller weighs them:
+        a backward pass that ran on another loss (a sum where the caller said mean, a term no
+        sample has) gives another gradient, which the statistics would set against them. Off by
+        more than ANOTHER_LOSS of its norm: rounding is far less, also where a model computes
         in a narrower dtype inside (Mamba's float32 scan in a float64 model: 1e-7). Parameters
         with the user's hooks are left out (their gradient is the hooks', not the losses')."""
-        pairs = [
-            (given[key], grads[key].detach())
-            for key, form in forms.items()
-            if key in grads and key in given and not isinstance(form, HookedGrads)
-        ]
+        pairs = [(form.grad, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)]
         if not pairs:
             return
         off = torch.stack([_norm(s - g).double() for s, g in pairs]).norm()  # (5% needs no float64 copies)
@@ -419,7 +415,6 @@ class _Pass:
         self.forms = {}  # formed before the backward pass: whole graph, or the checks' pass
         self.armed = False  # the capture keeps the calls the backward pass reaches
         self.check = False  # the sums are checked after it (no individual losses to check before)
-        self.given = {}  # the checks' gradient of the weighted losses, id(param) -> tensor
         self.handles = []  # hooks on the graph for calls shared by every sample
         self.calls = []  # the calls of the forward pass it plans for
 
