@@ -7,6 +7,9 @@ each global batch. Each run saves ``{"output": cockpit.get_output(), "written": 
 import contextlib
 import datetime
 import os
+import socket
+import subprocess
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -252,3 +255,20 @@ def run_group(rank_sizes, config, workdir):
         (workdir / f"logs{rank}").mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank_main, args=(rank_sizes, config, workdir), nprocs=len(rank_sizes), join=True)
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(len(rank_sizes))]
+
+
+def torchrun_and_one(script, out):
+    """Runs ``script out`` in the 2 processes of a ``torchrun`` (gloo on loopback), then
+    ``script out --one`` in one process (a test helper script saving each one's output under
+    ``out``); returns their stderr, and fails with its tail where one fails."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    said = []
+    for command in (launch + [str(script), str(out)], [sys.executable, str(script), str(out), "--one"]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=out)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said.append(done.stderr)
+    return said

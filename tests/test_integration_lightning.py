@@ -4,10 +4,6 @@ from the trainer's checkpoint; against float64 per-sample gradients from torch.f
 
 import copy
 import csv
-import os
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +15,7 @@ from torch import nn
 lightning = pytest.importorskip("lightning")
 
 from any_models import flat, gradient_tests, oracle_grads  # noqa: E402
+from distributed_training import torchrun_and_one  # noqa: E402
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.lightning import CockpitCallback  # noqa: E402
 from cockpit_fast.utils.configuration import configuration  # noqa: E402
@@ -220,15 +217,7 @@ def test_steps_no_quantity_tracks_are_not_watched_and_the_tracked_ones_keep_thei
 
 def test_fsdp2_under_model_parallel_strategy_equals_one_process(tmp_path):
     # configure_model shards after the callbacks' setup: the cockpit is made from the sharded parameters.
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    script = str(Path(__file__).with_name("lightning_sharded.py"))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    for command in (launch + [script, str(tmp_path)], [sys.executable, script, str(tmp_path), "--one"]):
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_and_one(Path(__file__).with_name("lightning_sharded.py"), tmp_path)
     one = torch.load(tmp_path / "one.pt", weights_only=False)
     for rank in range(2):
         output = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

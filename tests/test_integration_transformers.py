@@ -4,7 +4,6 @@ trainer's loggers; against float64 per-sample gradients from torch.func on the s
 
 import copy
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -216,20 +215,10 @@ def test_a_compiled_model_under_bf16_autocast_is_tracked_on_every_step(tmp_path)
 def test_under_torchrun_each_process_gives_the_statistics_of_one_process_on_every_ranks_sequences(tmp_path):
     # The trainer averages tokens over every process (average_tokens_across_devices): it
     # backpropagates the model's loss times the processes (Loss was half, NormTest 0.31 for 0.91).
-    import socket
-    import subprocess
-    import sys
+    from distributed_training import torchrun_and_one
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    script = str(Path(__file__).with_name("hf_distributed.py"))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    for command in (launch + [script, str(tmp_path)], [sys.executable, script, str(tmp_path), "--one"]):
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "ran on another loss" not in done.stderr
+    for stderr in torchrun_and_one(Path(__file__).with_name("hf_distributed.py"), tmp_path):
+        assert "ran on another loss" not in stderr
     one = torch.load(tmp_path / "one.pt", weights_only=False)[0]
     for rank in range(2):
         output = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)[0]
