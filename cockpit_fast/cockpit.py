@@ -351,6 +351,12 @@ class Cockpit:
         state holds the rows not yet in its log file, and the file's path and last step: the
         cockpit it is restored into reads the file's steps up to there (a streaming one starts
         its own file with them, and goes on).
+
+        Under ``torch.distributed`` each process saves its own (no collective): most of it is the
+        same in every process, but FSDP2's shards (Distance's start, UpdateSize's carried step)
+        and, with an optimizer other than plain SGD, Alpha's kept individual gradients are each
+        process's own. A state holding those is restored into the process of the same rank, of
+        as many, only (:meth:`load_state_dict` says so otherwise).
         """
         from cockpit_fast.quantities.quantity import STATE_VERSION, plain_state
 
@@ -361,6 +367,7 @@ class Cockpit:
             "quantities": names,
             "param_shapes": [list(p.shape) for p in self.params],
             "quantity_states": [q.state_dict() for q in self.quantities],
+            "process": self._process(),
             # What log() recorded; the quantities' values are in their own states.
             "log": plain_state(
                 {step: {key: v for key, v in row.items() if key not in names} for step, row in self.output.items()}
@@ -374,15 +381,23 @@ class Cockpit:
             "streamed": None if self._stream is None else {"path": self._stream.path, "through": self._stream.last_step},
         }
 
+    def _process(self):
+        """This process's rank and the number of processes in the cockpit's group."""
+        group = self.process_group
+        if group is None:
+            return {"rank": 0, "world_size": 1}
+        return {"rank": torch.distributed.get_rank(group), "world_size": torch.distributed.get_world_size(group)}
+
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` into this cockpit, made with the same quantities in the same
         order and parameters of the same shapes; tensors go to the tracked parameters' devices.
 
         Raises:
             ValueError: If ``state`` is not a cockpit state dict of this version, or holds other
-                quantities or parameter shapes (nothing is restored then).
+                quantities or parameter shapes, or values of another process's own (nothing is
+                restored then).
         """
-        from cockpit_fast.quantities.quantity import STATE_VERSION, restored_state
+        from cockpit_fast.quantities.quantity import STATE_VERSION, holds_this_process, restored_state
 
         if not isinstance(state, dict) or "version" not in state:
             raise ValueError(
@@ -405,6 +420,14 @@ class Cockpit:
         for index, (saved, own) in enumerate(zip(state["param_shapes"], shapes)):
             if saved != own:
                 raise ValueError(f"parameter {index} has shape {tuple(saved)} in state, {tuple(own)} in this cockpit")
+        saved_by, own = state.get("process"), [n for n, q in zip(names, state["quantity_states"]) if holds_this_process(q)]
+        if own and saved_by is not None and saved_by != self._process():
+            raise ValueError(
+                f"state was saved by process {saved_by['rank']} of {saved_by['world_size']} and holds that process's "
+                f"own values (of {', '.join(own)}: FSDP2's shards, and Alpha's kept individual gradients, are each process's), "
+                f"this is process {self._process()['rank']} of {self._process()['world_size']}: save every process's "
+                "state_dict() and restore each into the process of its rank"
+            )
         for q, q_state in zip(self.quantities, state["quantity_states"]):
             q.load_state_dict(q_state, self.params)
         self.output = defaultdict(dict, restored_state(state["log"]))

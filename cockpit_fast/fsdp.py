@@ -105,6 +105,8 @@ class Unsharded:
 
     def refresh(self):
         """Reads every FSDP2 state's parameters (unsharded tensors exist after the first forward)."""
+        if not self._tracked:  # (other models' FSDP2 states are none of its business)
+            return
         for state_ref in list(_module_state_mapping.values()):
             state = state_ref()
             if isinstance(state, FSDPState):

@@ -6,6 +6,7 @@ each global batch. Each run saves ``{"output": cockpit.get_output(), "written": 
 
 import contextlib
 import datetime
+import io
 import os
 import socket
 import subprocess
@@ -58,6 +59,10 @@ QUANTITY_SETS = {
     "first_order": lambda: [
         quantity for quantity in every_quantity() if not isinstance(quantity, (q.TICDiag, q.TICTrace, q.HessTrace))
     ],
+    # ... but CABS and EarlyStopping, which need plain SGD.
+    "any_optimizer": lambda: [
+        quantity for quantity in QUANTITY_SETS["first_order"]() if not isinstance(quantity, (q.CABS, q.EarlyStopping))
+    ],
     "hessian_max_ev": lambda: [q.HessMaxEV(schedules.linear(1))],
     "alpha_adam": lambda: [q.Alpha(schedules.linear(1))],
     "time_only": lambda: [q.Time(schedules.linear(1))],
@@ -108,8 +113,9 @@ def train(config, rank=0, rank_sizes=None, out=None):
     model_on_rank1 (another model on rank 1, with the same input shape),
     step_offset_on_rank1 (rank 1 hands the cockpit global_step + offset),
     log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
-    first samples take the "branch" model's branch), max_kept_bytes (the cockpit's). Logs and plots go to ``out``, a folder of this
-    rank's own.
+    first samples take the "branch" model's branch), max_kept_bytes (the cockpit's),
+    restored_after (a new cockpit goes on from that step, restored from the state of this rank,
+    or of rank 0 with rank0_state). Logs and plots go to ``out``, a folder of this rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
     distributed = len(rank_sizes) > 1
@@ -132,7 +138,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     names = config["quantities"]
     if distributed and rank == 1 and "quantities_on_rank1" in config:
         names = config["quantities_on_rank1"]
-    cockpit = Cockpit(
+    make_cockpit = lambda: Cockpit(  # noqa: E731
         params,
         quantities=QUANTITY_SETS[names](),
         per_sample_route=config.get("route", "auto"),
@@ -140,6 +146,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
         max_kept_bytes=config.get("max_kept_bytes"),
         logpath=str(Path(out) / "streamed") if config.get("stream") and out is not None else None,
     )
+    cockpit = make_cockpit()
 
     def all_reduce_gradients():  # the global batch's mean gradient, each rank weighted by N_r / N
         for p in params:
@@ -157,6 +164,8 @@ def train(config, rank=0, rank_sizes=None, out=None):
             inputs[:, 0] = inputs[:, 0].abs() * torch.where(torch.arange(global_n) < config["branch_samples"], 1.0, -1.0)
         inputs = inputs[start : start + local_n]
         labels = torch.randint(0, 4, (global_n,), generator=data)[start : start + local_n]
+        if step == config.get("restored_after"):
+            cockpit = restored(cockpit, make_cockpit, config.get("rank0_state", False))
         tracked = step + (config.get("step_offset_on_rank1", 0) if rank == 1 else 0)
         batch = inputs, labels
         if config.get("micro_batches"):
@@ -175,6 +184,21 @@ def train(config, rank=0, rank_sizes=None, out=None):
             CockpitPlotter().plot(cockpit, show_plot=False, save_plot=True, savedir=out)
         written = sorted(path.name for path in Path(out).iterdir())
     return {"output": _plain(cockpit.get_output()), "written": written}
+
+
+def restored(cockpit, make_cockpit, rank0_state=False):
+    """A new cockpit (``make_cockpit()``) restored from ``cockpit``'s state as a checkpoint file
+    holds it, or (``rank0_state``) from rank 0's in every process."""
+    saved = io.BytesIO()
+    torch.save(cockpit.state_dict(), saved)
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    if rank0_state:
+        shared = [state]
+        dist.broadcast_object_list(shared, src=0)
+        state = shared[0]
+    fresh = make_cockpit()
+    fresh.load_state_dict(state)
+    return fresh
 
 
 def collect_rows(rank=0, rank_sizes=(6,)):
@@ -272,3 +296,16 @@ def torchrun_and_one(script, out):
         assert done.returncode == 0, done.stderr[-3000:]
         said.append(done.stderr)
     return said
+
+
+def torchrun(script, out, *flags):
+    """Runs ``script out *flags`` in the 2 processes of a ``torchrun`` (gloo on loopback), as
+    :func:`torchrun_and_one` does; returns its stderr, and fails with its tail where it fails."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    done = subprocess.run(launch + [str(script), str(out), *flags], env=env, capture_output=True, text=True, timeout=300, cwd=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr

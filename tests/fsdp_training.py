@@ -17,7 +17,7 @@ import torch.distributed as dist
 from cockpit_fast import quantities as q
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.utils import schedules
-from distributed_training import QUANTITY_SETS
+from distributed_training import QUANTITY_SETS, restored
 
 VOCAB, LENGTH = 64, 12
 
@@ -104,7 +104,8 @@ def train(config, rank=0, rank_sizes=None):
     """Train ``config["steps"]`` steps; under ``torch.distributed`` rank ``rank`` takes its
     slice of each global batch. config keys: model, steps, quantities ("first_order",
     "curvature"), optimizer ("sgd", "adam"), frozen (freeze the first block's MLP), mixed,
-    compile, float32, micro_batches (accumulated over that many)."""
+    compile, float32, micro_batches (accumulated over that many), restored_after and
+    rank0_state (as :func:`distributed_training.train`'s)."""
     distributed = dist.is_initialized()
     model, blocks = build_lm(config["model"])
     if config.get("float32"):
@@ -117,11 +118,14 @@ def train(config, rank=0, rank_sizes=None):
     params = [p for p in model.parameters() if p.requires_grad]
     sgd = config.get("optimizer", "sgd") == "sgd"
     opt = torch.optim.SGD(params, lr=0.1) if sgd else torch.optim.Adam(params, lr=0.01)
-    cockpit = Cockpit(params, quantities=quantities(config.get("quantities", "first_order"), sgd))
+    make_cockpit = lambda: Cockpit(params, quantities=quantities(config.get("quantities", "first_order"), sgd))  # noqa: E731
+    cockpit = make_cockpit()
     sizes = rank_sizes if distributed else [sum(rank_sizes)]
     start, local_n = sum(sizes[:rank]), sizes[rank]
     for step, batch in enumerate(_batches(config, rank_sizes)):
         ids = batch[start : start + local_n]
+        if step == config.get("restored_after"):
+            cockpit = restored(cockpit, make_cockpit, config.get("rank0_state", False))
         opt.zero_grad()
         if config.get("micro_batches"):
             _accumulated(model, cockpit, step, ids, config["micro_batches"], opt, distributed)

@@ -208,6 +208,27 @@ def test_alpha_with_adam_keeps_each_rank_s_gradients_and_equals_one_process(rout
         assert_same_output(result["output"], expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer, rank0_state", [("adam", False), ("sgd", True)], ids=["adam-own-state", "sgd-rank0-state"])
+def test_a_run_restored_from_its_checkpoint_goes_on_as_the_uninterrupted_one(optimizer, rank0_state, tmp_path):
+    # With Adam, Alpha keeps each rank's individual gradients: each rank restores its own state.
+    # With plain SGD the state is the same in every process: rank 0's serves every rank.
+    config = {"model": "mlp", "quantities": "any_optimizer", "steps": 4, "optimizer": optimizer}
+    whole = run_group([3, 5], config, tmp_path / "whole")
+    resumed = run_group([3, 5], {**config, "restored_after": 2, "rank0_state": rank0_state}, tmp_path / "resumed")
+    assert resumed[0]["output"][2]["Alpha"] is not None
+    for rank, (expected, got) in enumerate(zip(whole, resumed)):
+        assert_same_output(comparable(got["output"]), comparable(expected["output"]), rtol=1e-12, atol=1e-14, path=f"rank {rank}")
+
+
+def test_rank_0_s_state_holding_its_own_gradients_is_refused_by_rank_1(tmp_path):
+    config = {"model": "mlp", "quantities": "alpha_adam", "steps": 3, "optimizer": "adam", "restored_after": 2, "rank0_state": True}
+    with pytest.raises(ProcessException):
+        run_group([3, 5], config, tmp_path)
+    said = (tmp_path / "error1.txt").read_text()
+    assert "state was saved by process 0 of 2 and holds that process's own values (of Alpha:" in said
+    assert "this is process 1 of 2" in said
+
+
 def test_gradient_metrics_rows_stay_local_and_the_collector_says_so(tmp_path):
     rank_sizes = [2, 3]
     ranks = run_group(rank_sizes, {"job": "collect"}, tmp_path)

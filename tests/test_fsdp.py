@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessException
 
 from distributed_training import comparable, run_group
 from fsdp_training import collect_rows, train
@@ -33,14 +34,19 @@ def _one_process(config, rank_sizes):
         ("gpt2", [3, 4], {"frozen": True}),
         ("gpt2", [4, 4], {"compile": True}),
         ("gpt2", [4, 4], {"micro_batches": 2}),
+        ("gpt2", [5, 3], {"optimizer": "adam", "restored_after": 2}),
     ],
-    ids=["gpt2-equal", "gpt2-unequal-adam", "llama-3-ranks", "gpt2-frozen-unequal", "gpt2-compiled-blocks", "gpt2-accumulated"],
+    ids=[
+        "gpt2-equal", "gpt2-unequal-adam", "llama-3-ranks", "gpt2-frozen-unequal", "gpt2-compiled-blocks",
+        "gpt2-accumulated", "gpt2-adam-restored",
+    ],
 )
 def test_every_statistic_equals_one_process_on_the_global_batch(model, rank_sizes, extra, tmp_path):
     # Loss, GradNorm, MeanGSNR, NormTest, InnerTest, OrthoTest, CABS, EarlyStopping, Alpha,
     # Distance, UpdateSize, Parameters, GradHist1d (adapted), GradHist2d, GradNoiseScale.
+    # (restored_after: each rank's cockpit restored from its own state, shards and kept gradients)
     config = {"job": "fsdp", "model": model, "steps": STEPS, **extra}
-    expected = _one_process({**config, "compile": False, "micro_batches": None}, rank_sizes)  # one backward pass
+    expected = _one_process({**config, "compile": False, "micro_batches": None, "restored_after": None}, rank_sizes)
     ranks = run_group(rank_sizes, config, tmp_path)
     assert {"Alpha", "Distance", "UpdateSize", "GradHist2d", "GradNoiseScale", "Parameters"} <= set(expected[1])
     # Float64 models, but Llama's RMSNorm computes in float32: with other batch sizes its numbers
@@ -51,6 +57,14 @@ def test_every_statistic_equals_one_process_on_the_global_batch(model, rank_size
         assert_same_output(
             comparable(result["output"]), comparable(expected), rtol=rtol, atol=atol, path=f"rank {rank}"
         )
+
+
+def test_rank_0_s_shards_are_refused_by_rank_1(tmp_path):
+    config = {"job": "fsdp", "model": "gpt2", "steps": 2, "restored_after": 1, "rank0_state": True}
+    with pytest.raises(ProcessException):
+        run_group([2, 2], config, tmp_path)
+    said = (tmp_path / "error1.txt").read_text()
+    assert "state was saved by process 0 of 2 and holds that process's own values (of Distance, UpdateSize:" in said
 
 
 def test_bf16_parameters_and_fp32_reduction_agree_with_float32_within_bf16_rounding(tmp_path):

@@ -17,6 +17,7 @@ from cockpit_fast.quantities.quantity import (
     plain_state,
     restored_per_param,
     restored_state,
+    this_process,
 )
 
 
@@ -198,26 +199,30 @@ class _StartPoint:
         """What the end needs, in plain types and CPU tensors (the learning rates served
         :meth:`observe` alone, which has run by then)."""
         observed = self.observation is not None
-        state = {
-            "sgd": self.sgd,
-            "directions": self.directions,
-            "observation": vars(self.observation) if observed else None,
-            "rank_sizes": self.rank_sizes if observed else None,
-            "rank_share": self.rank_share if observed else None,
-            "params": self.params,
-            "grad_batch": None if self.grad_batch is None else [kept.state() for kept in self.grad_batch],
-        }
-        return plain_state(state)
+        state = plain_state(
+            {
+                "sgd": self.sgd,
+                "directions": self.directions,
+                "observation": vars(self.observation) if observed else None,
+                "rank_sizes": self.rank_sizes if observed else None,
+                "params": self.params,
+            }
+        )
+        # Kept individual gradients are this process's samples', in its share of the batch.
+        share = self.rank_share if self.sgd else this_process(self.rank_share)
+        state["rank_share"] = share if observed else None
+        state["grad_batch"] = None if self.grad_batch is None else [this_process(kept.state()) for kept in self.grad_batch]
+        return state
 
     @classmethod
     def restored(cls, state, params):
         """The start saved by :meth:`state_dict`, its tensors on the devices of ``params``."""
         start = cls(None)
         start.sgd = state["sgd"]
-        start.directions = {i: restored_state(d, params[i].device) for i, d in state["directions"].items()}
+        start.directions = {i: restored_state(d, params[i].device, params[i]) for i, d in state["directions"].items()}
         if state["observation"] is not None:
             start.observation = _Observation.restored(state["observation"], params[0].device)
-            start.rank_sizes, start.rank_share = state["rank_sizes"], state["rank_share"]
+            start.rank_sizes, start.rank_share = state["rank_sizes"], restored_state(state["rank_share"])
         if state["params"] is not None:
             start.params = restored_per_param(state["params"], params)
             start.grad_batch = [Kept.from_state(kept) for kept in restored_per_param(state["grad_batch"], params)]

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from cockpit_fast.context import tracking
-from cockpit_fast.fsdp import full
+from cockpit_fast.fsdp import DTensor, full, is_sharded
 
 
 class FastQuantity:
@@ -232,11 +232,15 @@ STATE_VERSION = 2
 state dicts: a state dict of another version is refused, not misread."""
 
 _NUMPY_ARRAY, _NUMPY_SCALAR = "__numpy_array__", "__numpy_scalar__"
+# What one process of several keeps for itself: a DTensor's shard, and values of its own samples.
+_SHARD, _THIS_PROCESS = "__shard__", "__this_process__"
+_TAGS = (_NUMPY_ARRAY, _NUMPY_SCALAR, _SHARD, _THIS_PROCESS)
 
 
 def plain_state(value):
     """``value`` in the types ``torch.load(weights_only=True)`` reads back: tensors copied to the
-    CPU (sharing nothing with the live ones), NumPy arrays and scalars as tensors tagged
+    CPU (sharing nothing with the live ones), a ``DTensor`` (FSDP2's) as this process's shard
+    tagged ``{"__shard__": tensor}``, NumPy arrays and scalars as tensors tagged
     ``{"__numpy_array__": tensor}`` / ``{"__numpy_scalar__": tensor}``, lists, tuples and dicts
     item by item. :func:`restored_state` undoes it.
 
@@ -244,6 +248,8 @@ def plain_state(value):
         TypeError: For a value of another type, or a NumPy dtype torch has no tensors of.
         ValueError: For a dict whose only key is one of the tags (it would read back as NumPy).
     """
+    if is_sharded(value):
+        return {_SHARD: value.to_local().detach().to("cpu", copy=True)}
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, (numpy.ndarray, numpy.generic)):  # before float: numpy.float64 is one
@@ -257,8 +263,8 @@ def plain_state(value):
     if isinstance(value, tuple):
         return tuple(plain_state(v) for v in value)
     if isinstance(value, dict):
-        if _numpy_tag(value) is not None:
-            raise ValueError(f"cannot save a dict whose only key is {next(iter(value))!r}: it marks a NumPy value")
+        if _tag(value) is not None:
+            raise ValueError(f"cannot save a dict whose only key is {next(iter(value))!r}: it marks a saved value's kind")
         return {key: plain_state(v) for key, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -267,33 +273,60 @@ def plain_state(value):
     )
 
 
-def restored_state(value, device=None):
-    """Undo :func:`plain_state`: NumPy values back, tensors copied to ``device`` (None: the CPU)."""
+def this_process(value):
+    """:func:`plain_state` of a value of this process's own samples (under ``torch.distributed``,
+    each process's differs): the cockpit restores it into the same process of as many only."""
+    return {_THIS_PROCESS: plain_state(value)}
+
+
+def restored_state(value, device=None, param=None):
+    """Undo :func:`plain_state` (and :func:`this_process`): NumPy values back, tensors copied to
+    ``device`` (None: the CPU), a shard as a ``DTensor`` sharded as ``param``, the parameter it
+    was saved from a part of."""
     if isinstance(value, torch.Tensor):
         return value.to(device or "cpu", copy=True)
     if isinstance(value, dict):
-        tag = _numpy_tag(value)
+        tag = _tag(value)
+        if tag == _THIS_PROCESS:
+            return restored_state(value[tag], device, param)
+        if tag == _SHARD:
+            if not is_sharded(param):
+                raise ValueError("a saved shard of a sharded parameter restored into a cockpit whose parameter is not sharded")
+            local = value[tag].to(param.device, copy=True)
+            return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
         if tag is not None:
             array = value[tag].numpy()
             return array[()] if tag == _NUMPY_SCALAR else array
-        return {key: restored_state(v, device) for key, v in value.items()}
+        return {key: restored_state(v, device, param) for key, v in value.items()}
     if isinstance(value, list):
-        return [restored_state(v, device) for v in value]
+        return [restored_state(v, device, param) for v in value]
     if isinstance(value, tuple):
-        return tuple(restored_state(v, device) for v in value)
+        return tuple(restored_state(v, device, param) for v in value)
     return value
 
 
 def restored_per_param(values, params):
-    """:func:`restored_state` of one value per tracked parameter, each on its parameter's device."""
-    return [restored_state(value, param.device) for value, param in zip(values, params)]
+    """:func:`restored_state` of one value per tracked parameter, each on its parameter's device
+    (a parameter's saved shard as a shard of it)."""
+    return [restored_state(value, param.device, param) for value, param in zip(values, params)]
 
 
-def _numpy_tag(state):
-    """The tag of a dict :func:`plain_state` made of a NumPy value, else None."""
+def holds_this_process(state):
+    """Whether ``state`` holds values of the process that saved it alone (shards, or values of
+    its samples): see :func:`this_process`."""
+    if isinstance(state, dict):
+        return _tag(state) in (_SHARD, _THIS_PROCESS) or any(holds_this_process(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_this_process(v) for v in state)
+    return False
+
+
+def _tag(state):
+    """The tag of a dict :func:`plain_state` made of a NumPy value, a shard, or of
+    :func:`this_process`; else None."""
     if len(state) == 1:
         key = next(iter(state))
-        if key in (_NUMPY_ARRAY, _NUMPY_SCALAR):
+        if key in _TAGS:
             return key
     return None
 
