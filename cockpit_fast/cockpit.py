@@ -13,7 +13,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast.statistics import ROUTES, StepContext, StepPlan, StepStatistics
+from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, reduce_step, resolve_group
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
@@ -714,6 +714,7 @@ class _TrackedBackward:
             raise ValueError(
                 "no backward pass reached the tracked parameters "
                 + ("after micro_batch(): " + _MICRO_BATCH_ORDER if self._micro else "inside `with cockpit(...)`: call loss.backward() inside the `with` block")
+                + f" {WRAPPED_LATER}"
             )
         if passes > 1 and plan.requests:
             raise ValueError(

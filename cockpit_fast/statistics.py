@@ -41,6 +41,13 @@ cheaper than forming the gradients; ``"factors"``, its closed forms wherever it 
 ``"grad_batch"``, always from the per-sample gradients themselves."""
 
 
+WRAPPED_LATER = (
+    "(A model wrapped after the cockpit was made, by FSDP1 or anything else that replaces its parameters, "
+    "computes with other tensors: make the cockpit from the wrapped model's parameters)"
+)
+"""Why tracked parameters may get no gradient although the model ran: the errors saying so end with it."""
+
+
 class HotParameter:
     """A tracked parameter inside the hook, while its per-sample gradients are at hand.
 
@@ -443,7 +450,7 @@ class StepContext(_InfoReader):
         if missing:
             raise RuntimeError(
                 f"the mini-batch gradient was not computed for parameters {missing}: were they used "
-                "in the forward pass?"
+                f"in the forward pass? {WRAPPED_LATER}"
             )
         if self.unscale != 1.0:
             return [p.grad.detach() * self.unscale for p in self.params]

@@ -176,15 +176,16 @@ def refusals(config, rank=0, rank_sizes=None):
             Cockpit(wrapped.parameters(), quantities=quantities("first_order"))
         except ValueError as error:
             said[f"fsdp1, use_orig_params={original}"] = str(error)
-    model, blocks = build_lm("gpt2")
-    cockpit = Cockpit(list(model.parameters()), quantities=quantities("first_order"))
-    model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)  # after the cockpit
-    losses = _losses(model, torch.randint(0, VOCAB, (2, LENGTH)))
-    try:
-        with cockpit(0, info={"batch_size": 2, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward()
-    except ValueError as error:
-        said["fsdp1, wrapped later"] = str(error)
+    for original in (True, False):  # wrapped after the cockpit
+        model, blocks = build_lm("gpt2")
+        cockpit = Cockpit(list(model.parameters()), quantities=quantities("first_order"))
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=original)
+        losses = _losses(model, torch.randint(0, VOCAB, (2, LENGTH)))
+        try:
+            with cockpit(0, info={"batch_size": 2, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+        except (ValueError, RuntimeError) as error:
+            said[f"fsdp1, wrapped later, use_orig_params={original}"] = str(error)
     model, blocks = build_lm("gpt2")
     weight = sharded(model, blocks, config).transformer.wte.weight
     try:

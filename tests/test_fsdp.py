@@ -91,8 +91,11 @@ def test_collector_rows_are_those_of_each_rank_s_samples(model, rank_sizes, tmp_
 
 def test_fsdp1_dtensors_in_ops_and_backpack_extensions_are_refused_clearly(tmp_path):
     said = run_group([1, 1], {"job": "fsdp_refusals"}, tmp_path)[0]
-    for way in ("use_orig_params=False", "use_orig_params=True", "wrapped later"):
+    for way in ("use_orig_params=False", "use_orig_params=True", "wrapped later, use_orig_params=True"):
         assert said[f"fsdp1, {way}"].startswith("the parameters are FullyShardedDataParallel's (FSDP1)"), way
         assert "fully_shard" in said[f"fsdp1, {way}"]
+    # (FSDP1's flat parameter leaves the tracked ones unused, and marks none of them)
+    unused = said["fsdp1, wrapped later, use_orig_params=False"]
+    assert unused.startswith("no backward pass reached the tracked parameters") and "wrapped after the cockpit" in unused
     assert said["op"].startswith("cockpit_fast.batch_l2: g is a DTensor") and "to_local()" in said["op"]
     assert said["curvature"].startswith("TICDiag needs BackPACK's extensions") and "FSDP2" in said["curvature"]
