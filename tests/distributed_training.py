@@ -15,6 +15,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -282,30 +283,39 @@ def run_group(rank_sizes, config, workdir):
 
 
 def torchrun_and_one(script, out):
-    """Runs ``script out`` in the 2 processes of a ``torchrun`` (gloo on loopback), then
+    """Runs ``script out`` in the 2 processes of a ``torchrun`` (:func:`torchrun`), then
     ``script out --one`` in one process (a test helper script saving each one's output under
     ``out``); returns their stderr, and fails with its tail where one fails."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    said = []
-    for command in (launch + [str(script), str(out)], [sys.executable, str(script), str(out), "--one"]):
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=out)
-        assert done.returncode == 0, done.stderr[-3000:]
-        said.append(done.stderr)
-    return said
+    return [torchrun(script, out), _run([sys.executable, str(script), str(out), "--one"], out)]
 
 
 def torchrun(script, out, *flags):
-    """Runs ``script out *flags`` in the 2 processes of a ``torchrun`` (gloo on loopback), as
-    :func:`torchrun_and_one` does; returns its stderr, and fails with its tail where it fails."""
+    """Runs ``script out *flags`` in the 2 processes of a ``torchrun`` (gloo on loopback); returns
+    its stderr, and fails with its tail where it fails."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    done = subprocess.run(launch + [str(script), str(out), *flags], env=env, capture_output=True, text=True, timeout=300, cwd=out)
+    return _run(launch + [str(script), str(out), *flags], out)
+
+
+def _run(command, out):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=out)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
+
+
+def assert_resumed_as_whole(out, rel=lambda name: 1e-10):
+    """Each rank's ``out/resume_rank<r>.pt`` (``{"whole": output, "resumed": output}``, 4 steps,
+    the resumed run from a checkpoint after step 2): every value the same within ``rel(name)``,
+    steps 0 and 1 too (carried over; Alpha and UpdateSize of step 1 finished after the resume)."""
+    for rank in range(2):
+        runs = torch.load(Path(out) / f"resume_rank{rank}.pt", weights_only=False)
+        whole, resumed = runs["whole"], runs["resumed"]
+        assert sorted(resumed) == sorted(whole) == [0, 1, 2, 3]
+        assert "Alpha" in whole[2] and "UpdateSize" in whole[2]
+        for step in whole:
+            assert sorted(resumed[step]) == sorted(whole[step]), (rank, step)
+            for name in whole[step]:
+                assert resumed[step][name] == pytest.approx(whole[step][name], rel=rel(name), abs=1e-14), (rank, step, name)

@@ -4,6 +4,12 @@
 sequences in order (rank r takes the r-th batch of each step), learning rate 0, one optimizer
 step; each rank saves its cockpit's output to ``OUT/rank<r>.pt``. ``python tests/hf_distributed.py
 OUT --one`` runs one process on every rank's sequences at once and saves ``OUT/one.pt``.
+
+``torchrun --nproc_per_node=2 tests/hf_distributed.py OUT --resume``: both runs of a resume
+inside one ``torchrun``, GPT-2 in float64, AdamW (the trainer's default), 4 steps of 2 sequences
+a process: an uninterrupted one that saves a checkpoint every 2 steps, then a second trainer
+resumed from its ``checkpoint-2``; each rank saves both cockpits' outputs to
+``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``). ``--sgd``: with SGD instead.
 """
 
 import os
@@ -48,5 +54,33 @@ def main(out, one):
     torch.save(dict(callback.cockpit.get_output()), os.path.join(out, f"{name}.pt"))
 
 
+def resume(out, optim):
+    outputs = {}
+    for run in ("whole", "resumed"):
+        torch.manual_seed(0)
+        # Untied embeddings: with GPT-2's tied ones Alpha came ~1e-7 apart after a resume in one process.
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=TOKENS, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=False,
+        )
+        model = transformers.GPT2LMHeadModel(config).double()
+        ids = torch.randint(1, VOCAB, (4 * SEQUENCES // 2, TOKENS), generator=torch.Generator().manual_seed(1))
+        data = [{"input_ids": i, "labels": i} for i in ids]  # 16 sequences: 4 steps of 2 a process
+        args = transformers.TrainingArguments(
+            os.path.join(out, "hf"), per_device_train_batch_size=2, max_steps=4, learning_rate=0.05, optim=optim,
+            save_strategy="steps" if run == "whole" else "no", save_steps=2, report_to="none", use_cpu=True,
+            logging_strategy="no", seed=0, disable_tqdm=True,
+        )
+        tracked = [quantities.Loss(EVERY), quantities.GradNorm(EVERY), quantities.Alpha(EVERY), quantities.Distance(EVERY), quantities.UpdateSize(EVERY)]
+        callback = CockpitCallback(tracked, plot=False)
+        checkpoint = os.path.join(out, "hf", "checkpoint-2") if run == "resumed" else None
+        _InOrder(model=model, args=args, train_dataset=data, callbacks=[callback]).train(resume_from_checkpoint=checkpoint)
+        outputs[run] = {step: dict(row) for step, row in callback.cockpit.get_output().items()}
+    torch.save(outputs, os.path.join(out, f"resume_rank{os.environ['RANK']}.pt"))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], "--one" in sys.argv)
+    if "--resume" in sys.argv:
+        resume(sys.argv[1], "sgd" if "--sgd" in sys.argv else "adamw_torch")
+    else:
+        main(sys.argv[1], "--one" in sys.argv)

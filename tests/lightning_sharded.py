@@ -6,6 +6,13 @@ Linear and the whole in ``configure_model``, 4 samples per process and step (Lig
 distributed sampler, seed 0); each rank saves its cockpit's output to
 ``OUT/rank<r>.pt``. ``python tests/lightning_sharded.py OUT --one``: one process, no sharding,
 each step's 8 samples of both ranks, saved to ``OUT/one.pt``.
+
+``torchrun --nproc_per_node=2 tests/lightning_sharded.py OUT --resume mp|ddp``: both runs of a
+resume inside one ``torchrun``, with Adam, under ``ModelParallelStrategy`` (FSDP2, as above) or
+``strategy="ddp"``: 4 steps (2 an epoch) checkpointed every 2 by ``ModelCheckpoint``, then a
+second trainer resumed from the step-2 checkpoint (``fit(ckpt_path=...)``); each rank saves both
+cockpits' outputs to ``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``). ``--sgd``:
+with SGD instead.
 """
 
 import os
@@ -75,5 +82,38 @@ def main(out, one):
     torch.save(dict(callback.cockpit.get_output()), os.path.join(out, f"{name}.pt"))
 
 
+class _Adam(_Sharded):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def resume(out, mode, sgd):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    gen = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(SAMPLES, FEATURES, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
+    )
+    outputs = {}
+    for run in ("whole", "resumed"):
+        strategy = ModelParallelStrategy(2, 1, process_group_backend="gloo") if mode == "mp" else "ddp"
+        tracked = [quantities.Loss(EVERY), quantities.GradNorm(EVERY), quantities.Alpha(EVERY), quantities.Distance(EVERY), quantities.UpdateSize(EVERY)]
+        callback = CockpitCallback(tracked, plot=False)
+        saving = [ModelCheckpoint(os.path.join(out, "ckpt"), "s{step}", every_n_train_steps=2, save_top_k=-1)] if run == "whole" else []
+        trainer = lightning.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=4, callbacks=[callback, *saving], logger=False,
+            enable_checkpointing=run == "whole", enable_progress_bar=False, enable_model_summary=False,
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=STEP // 2, shuffle=False)  # 2 steps an epoch
+        checkpoint = os.path.join(out, "ckpt", "sstep=2.ckpt") if run == "resumed" else None
+        trainer.fit((_Sharded if sgd else _Adam)(shard=mode == "mp"), loader, ckpt_path=checkpoint)
+        outputs[run] = {step: dict(row) for step, row in callback.cockpit.get_output().items()}
+    torch.save(outputs, os.path.join(out, f"resume_rank{trainer.global_rank}.pt"))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], "--one" in sys.argv)
+    if "--resume" in sys.argv:
+        resume(sys.argv[1], sys.argv[sys.argv.index("--resume") + 1], "--sgd" in sys.argv)
+    else:
+        main(sys.argv[1], "--one" in sys.argv)

@@ -299,3 +299,14 @@ def test_the_numbers_reach_the_trainers_tensorboard(tmp_path, monkeypatch):
     assert [event.step for event in norm_test] == [1, 2]  # the trainer's steps, as its loss
     assert norm_test[1].value == pytest.approx(callback.cockpit.get_output()[1]["NormTest"], rel=1e-5)
     assert "train/cockpit/GradNorm/all" in events.Tags()["scalars"]
+
+
+def test_under_torchrun_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one_on_every_rank(tmp_path):
+    # AdamW: Alpha keeps each rank's own samples' gradients over the checkpoint (every rank went
+    # on from rank 0's: Alpha of step 1, finished after the resume, 27% off on both ranks).
+    from distributed_training import assert_resumed_as_whole, torchrun
+
+    torchrun(Path(__file__).with_name("hf_distributed.py"), tmp_path, "--resume")
+    # Alpha: 1e-7 apart after any resume under torchrun, with SGD too, its fresh steps too
+    # (two uninterrupted runs: the same bits; under Lightning's resumes too).
+    assert_resumed_as_whole(tmp_path, rel=lambda name: 1e-6 if name == "Alpha" else 1e-10)

@@ -162,6 +162,7 @@ def lightning_callback(base, module):
             self.cockpit = None
             self._steps = self._logger = None
             self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
+            self._stage = None  # the trainer's stage ("fit", "validate", ...) from setup to teardown
 
         def on_fit_start(self, trainer, pl_module):
             # (Not in setup(): configure_model, after it, may shard the parameters, FSDP2's fully_shard.)
@@ -172,7 +173,8 @@ def lightning_callback(base, module):
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731
                 self._logger = ScalarForwarder(log, self.per_parameter)
             if self._restored is not None:
-                self.load_state_dict({"cockpit": self._restored})
+                self._restore(self._restored)
+                self._restored = None
 
         def on_train_start(self, trainer, pl_module):
             if len(trainer.optimizers) > 1:
@@ -207,15 +209,38 @@ def lightning_callback(base, module):
                 self._steps.abandon()
 
         def state_dict(self):
-            return {} if self.cockpit is None else {"cockpit": self.cockpit.state_dict()}
+            if self.cockpit is None:
+                return {}
+            state, group = self.cockpit.state_dict(), self.cockpit.process_group
+            if group is None:
+                return {"cockpit": state}
+            # Lightning asks every process and saves rank 0's: every process's own state, gathered.
+            states = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(states, state, group=group)
+            return {"cockpit_by_rank": states}
+
+        def setup(self, trainer, pl_module, stage):
+            self._stage = stage
+
+        def teardown(self, trainer, pl_module, stage):
+            self._stage = None
 
         def load_state_dict(self, state_dict):
-            state = state_dict.get("cockpit")
-            if state is not None and self.cockpit is None:
-                self._restored = state
-            elif state is not None:
-                self.cockpit.load_state_dict(state)
-                self._restored = None
+            # Lightning restores callbacks for validate, test and predict from a checkpoint too:
+            # only a fit's goes on from it.
+            if not state_dict or self._stage != "fit":
+                return
+            if self.cockpit is None:  # until on_fit_start makes it
+                self._restored = state_dict
+            else:
+                self._restore(state_dict)
+
+        def _restore(self, state_dict):
+            state, group = state_dict.get("cockpit"), self.cockpit.process_group
+            if "cockpit_by_rank" in state_dict:  # its rank's (the cockpit says so if that cannot be)
+                states, rank = state_dict["cockpit_by_rank"], 0 if group is None else torch.distributed.get_rank(group)
+                state = states[rank] if rank < len(states) else states[0]
+            self.cockpit.load_state_dict(state)
 
     CockpitCallback.__module__, CockpitCallback.__qualname__ = module, "CockpitCallback"
     return CockpitCallback

@@ -11,8 +11,9 @@ latest value goes to the trainer's own loggers (``report_to``: TensorBoard, W&B,
 ``cockpit/<Quantity>`` names, at the trainer's step (as its loss: the step just taken), every
 parameter's too with ``per_parameter=True``; every tracked step is in the cockpit's log. At the end of training
 the cockpit's log and dashboard are written to ``logpath``. The cockpit's state is saved in each
-checkpoint the trainer writes (``cockpit_state.pt``) and restored when it resumes from one
-(``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``.
+checkpoint the trainer writes (``cockpit_state.pt``; under ``torchrun`` each process's own,
+``cockpit_state_rank<r>.pt``, as the trainer's random states) and restored when it resumes from
+one (``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``.
 
 Where the model does not take ``num_items_in_batch`` (its ``forward`` has no ``**kwargs``), the
 trainer divides each micro-batch's loss by the micro-batches of the step (fewer in an epoch's
@@ -29,7 +30,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from cockpit_fast.integrations._tracking import TrainerSteps, latest_scalars, make_cockpit, sample_losses, write_results
 
 STATE_FILE = "cockpit_state.pt"
-"""The cockpit's state in each checkpoint folder the trainer writes, restored when it resumes."""
+"""The cockpit's state in each checkpoint folder the trainer writes, restored when it resumes
+(each process's own under ``torchrun``: :func:`state_file`)."""
+
+
+def state_file(cockpit):
+    """The name of ``cockpit``'s state file in a checkpoint folder: one per process where
+    several track (their states differ, see :meth:`~cockpit_fast.Cockpit.state_dict`)."""
+    if cockpit.process_group is None:
+        return STATE_FILE
+    return f"cockpit_state_rank{torch.distributed.get_rank(cockpit.process_group)}.pt"
 
 
 class CockpitCallback(TrainerCallback):
@@ -64,15 +74,16 @@ class CockpitCallback(TrainerCallback):
             self._hook = model.register_forward_hook(torch.compiler.disable(self._micro_batch), with_kwargs=True)
         self._args = args
         self._trainer, resumed_from = _calling_trainer()
-        saved = None if resumed_from is None else os.path.join(resumed_from, STATE_FILE)
+        saved = None if resumed_from is None else os.path.join(resumed_from, state_file(self.cockpit))
         if saved is not None and os.path.isfile(saved):
             self.cockpit.load_state_dict(torch.load(saved, weights_only=True))
 
     def on_save(self, args, state, control, **kwargs):
-        # Beside the trainer's own state in the checkpoint it has just written.
+        # Beside the trainer's own state in the checkpoint it has just written (under torchrun
+        # each process saves its random state there too, as each its cockpit's).
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if state.is_world_process_zero and os.path.isdir(folder):
-            torch.save(self.cockpit.state_dict(), os.path.join(folder, STATE_FILE))
+        if os.path.isdir(folder):
+            torch.save(self.cockpit.state_dict(), os.path.join(folder, state_file(self.cockpit)))
 
     def _micro_batch(self, module, args, kwargs, output):
         if not (module.training and torch.is_grad_enabled() and self._steps.open):
