@@ -307,6 +307,7 @@ def test_under_torchrun_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an
     from distributed_training import assert_resumed_as_whole, torchrun
 
     torchrun(Path(__file__).with_name("hf_distributed.py"), tmp_path, "--resume")
-    # Alpha: 1e-7 apart after any resume under torchrun, with SGD too, its fresh steps too
-    # (two uninterrupted runs: the same bits; under Lightning's resumes too).
+    # Alpha: 7e-8 apart (with SGD too): the resumed run's first step is its fresh cockpit's first,
+    # which the engine checks, and HF's loss is float32 (logits cast): that step's per-sample
+    # statistics differ at float32's rounding (NormTest 6e-8, InnerTest 4e-6), the next agree exactly.
     assert_resumed_as_whole(tmp_path, rel=lambda name: 1e-6 if name == "Alpha" else 1e-10)
