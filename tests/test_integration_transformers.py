@@ -307,7 +307,8 @@ def test_under_torchrun_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an
     from distributed_training import assert_resumed_as_whole, torchrun
 
     torchrun(Path(__file__).with_name("hf_distributed.py"), tmp_path, "--resume")
-    # Alpha: 7e-8 apart (with SGD too): the resumed run's first step is its fresh cockpit's first,
-    # which the engine checks, and HF's loss is float32 (logits cast): that step's per-sample
-    # statistics differ at float32's rounding (NormTest 6e-8, InnerTest 4e-6), the next agree exactly.
+    # Alpha: 7e-8 apart (with SGD too): the resumed run's first step (its fresh cockpit's first)
+    # has per-sample statistics apart at float32's rounding (NormTest 6e-8, InnerTest 4e-6; HF's
+    # loss is float32, its logits cast), the steps after agree exactly. Cause not found (one
+    # process resumes exactly).
     assert_resumed_as_whole(tmp_path, rel=lambda name: 1e-6 if name == "Alpha" else 1e-10)
