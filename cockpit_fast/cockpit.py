@@ -397,13 +397,13 @@ class Cockpit:
                 quantities or parameter shapes, or values of another process's own (nothing is
                 restored then).
         """
-        from cockpit_fast.quantities.quantity import STATE_VERSION, holds_this_process, restored_state
+        from cockpit_fast.quantities.quantity import READ_VERSIONS, STATE_VERSION, holds_this_process, restored_state
 
         if not isinstance(state, dict) or "version" not in state:
             raise ValueError(
                 f"state must be a dict from Cockpit.state_dict() (with a 'version'), got {type(state).__name__}"
             )
-        if state["version"] != STATE_VERSION:
+        if state["version"] not in READ_VERSIONS:
             raise ValueError(
                 f"state is a Cockpit state dict of version {state['version']!r}, "
                 f"this cockpit reads version {STATE_VERSION}"
@@ -427,6 +427,11 @@ class Cockpit:
                 f"own values (of {', '.join(own)}: FSDP2's shards, and Alpha's kept individual gradients, are each process's), "
                 f"this is process {self._process()['rank']} of {self._process()['world_size']}: save every process's "
                 "state_dict() and restore each into the process of its rank"
+            )
+        if any(holds_this_process(q, holds_this_process.SHARDS) for q in state["quantity_states"]) and not self._unsharded.active:
+            raise ValueError(
+                "state holds FSDP2's shards of the parameters, this cockpit's parameters are not sharded: restore it "
+                "into a cockpit of the model sharded as it was (fully_shard)"
             )
         for q, q_state in zip(self.quantities, state["quantity_states"]):
             q.load_state_dict(q_state, self.params)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 try:
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # a torch without torch.distributed
-    DTensor = FSDPState = None
+    DTensor = FSDPState = distribute_tensor = None
     _module_state_mapping = {}
 
 

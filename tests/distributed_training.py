@@ -187,12 +187,12 @@ def train(config, rank=0, rank_sizes=None, out=None):
     return {"output": _plain(cockpit.get_output()), "written": written}
 
 
-def restored(cockpit, make_cockpit, rank0_state=False):
+def restored(cockpit, make_cockpit, rank0_state=False, state_file=None):
     """A new cockpit (``make_cockpit()``) restored from ``cockpit``'s state as a checkpoint file
-    holds it, or (``rank0_state``) from rank 0's in every process."""
+    holds it, or (``rank0_state``) from rank 0's in every process, or from ``state_file``."""
     saved = io.BytesIO()
     torch.save(cockpit.state_dict(), saved)
-    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    state = torch.load(state_file or io.BytesIO(saved.getvalue()), weights_only=True)
     if rank0_state:
         shared = [state]
         dist.broadcast_object_list(shared, src=0)

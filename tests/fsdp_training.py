@@ -105,7 +105,8 @@ def train(config, rank=0, rank_sizes=None):
     slice of each global batch. config keys: model, steps, quantities ("first_order",
     "curvature"), optimizer ("sgd", "adam"), frozen (freeze the first block's MLP), mixed,
     compile, float32, micro_batches (accumulated over that many), restored_after and
-    rank0_state (as :func:`distributed_training.train`'s)."""
+    rank0_state (as :func:`distributed_training.train`'s), save_state_to (a file the cockpit's
+    state goes to then), state_from (a file the cockpit is restored from instead)."""
     distributed = dist.is_initialized()
     model, blocks = build_lm(config["model"])
     if config.get("float32"):
@@ -125,7 +126,9 @@ def train(config, rank=0, rank_sizes=None):
     for step, batch in enumerate(_batches(config, rank_sizes)):
         ids = batch[start : start + local_n]
         if step == config.get("restored_after"):
-            cockpit = restored(cockpit, make_cockpit, config.get("rank0_state", False))
+            if config.get("save_state_to"):
+                torch.save(cockpit.state_dict(), config["save_state_to"])
+            cockpit = restored(cockpit, make_cockpit, config.get("rank0_state", False), config.get("state_from"))
         opt.zero_grad()
         if config.get("micro_batches"):
             _accumulated(model, cockpit, step, ids, config["micro_batches"], opt, distributed)

@@ -9,7 +9,7 @@ OUT --one`` runs one process on every rank's sequences at once and saves ``OUT/o
 inside one ``torchrun``, GPT-2 in float64, AdamW (the trainer's default), 4 steps of 2 sequences
 a process: an uninterrupted one that saves a checkpoint every 2 steps, then a second trainer
 resumed from its ``checkpoint-2``; each rank saves both cockpits' outputs to
-``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``). ``--sgd``: with SGD instead.
+``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``).
 """
 
 import os
@@ -54,7 +54,7 @@ def main(out, one):
     torch.save(dict(callback.cockpit.get_output()), os.path.join(out, f"{name}.pt"))
 
 
-def resume(out, optim):
+def resume(out):
     outputs = {}
     for run in ("whole", "resumed"):
         torch.manual_seed(0)
@@ -67,7 +67,7 @@ def resume(out, optim):
         ids = torch.randint(1, VOCAB, (4 * SEQUENCES // 2, TOKENS), generator=torch.Generator().manual_seed(1))
         data = [{"input_ids": i, "labels": i} for i in ids]  # 16 sequences: 4 steps of 2 a process
         args = transformers.TrainingArguments(
-            os.path.join(out, "hf"), per_device_train_batch_size=2, max_steps=4, learning_rate=0.05, optim=optim,
+            os.path.join(out, "hf"), per_device_train_batch_size=2, max_steps=4, learning_rate=0.05,
             save_strategy="steps" if run == "whole" else "no", save_steps=2, report_to="none", use_cpu=True,
             logging_strategy="no", seed=0, disable_tqdm=True,
         )
@@ -81,6 +81,6 @@ def resume(out, optim):
 
 if __name__ == "__main__":
     if "--resume" in sys.argv:
-        resume(sys.argv[1], "sgd" if "--sgd" in sys.argv else "adamw_torch")
+        resume(sys.argv[1])
     else:
         main(sys.argv[1], "--one" in sys.argv)

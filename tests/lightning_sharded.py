@@ -11,8 +11,7 @@ each step's 8 samples of both ranks, saved to ``OUT/one.pt``.
 resume inside one ``torchrun``, with Adam, under ``ModelParallelStrategy`` (FSDP2, as above) or
 ``strategy="ddp"``: 4 steps (2 an epoch) checkpointed every 2 by ``ModelCheckpoint``, then a
 second trainer resumed from the step-2 checkpoint (``fit(ckpt_path=...)``); each rank saves both
-cockpits' outputs to ``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``). ``--sgd``:
-with SGD instead.
+cockpits' outputs to ``OUT/resume_rank<r>.pt`` (``{"whole": ..., "resumed": ...}``).
 """
 
 import os
@@ -87,7 +86,7 @@ class _Adam(_Sharded):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def resume(out, mode, sgd):
+def resume(out, mode):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -107,13 +106,13 @@ def resume(out, mode, sgd):
         )
         loader = torch.utils.data.DataLoader(data, batch_size=STEP // 2, shuffle=False)  # 2 steps an epoch
         checkpoint = os.path.join(out, "ckpt", "sstep=2.ckpt") if run == "resumed" else None
-        trainer.fit((_Sharded if sgd else _Adam)(shard=mode == "mp"), loader, ckpt_path=checkpoint)
+        trainer.fit(_Adam(shard=mode == "mp"), loader, ckpt_path=checkpoint)
         outputs[run] = {step: dict(row) for step, row in callback.cockpit.get_output().items()}
     torch.save(outputs, os.path.join(out, f"resume_rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
     if "--resume" in sys.argv:
-        resume(sys.argv[1], sys.argv[sys.argv.index("--resume") + 1], "--sgd" in sys.argv)
+        resume(sys.argv[1], sys.argv[sys.argv.index("--resume") + 1])
     else:
         main(sys.argv[1], "--one" in sys.argv)

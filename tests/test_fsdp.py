@@ -59,6 +59,15 @@ def test_every_statistic_equals_one_process_on_the_global_batch(model, rank_size
         )
 
 
+def test_a_state_one_process_saved_is_restored_as_each_rank_s_shards(tmp_path):
+    # Distance's start and UpdateSize's carried step, saved unsharded, restored sharded.
+    config = {"job": "fsdp", "model": "gpt2", "steps": STEPS, "restored_after": 2}
+    expected = _one_process({**config, "save_state_to": str(tmp_path / "one.pt")}, [4, 4])
+    for rank, result in enumerate(run_group([4, 4], {**config, "state_from": str(tmp_path / "one.pt")}, tmp_path / "ranks")):
+        assert "Distance" in result["output"][2] and "UpdateSize" in result["output"][1]  # (of step 1, at step 2)
+        assert_same_output(comparable(result["output"]), comparable(expected), rtol=1e-7, atol=1e-10, path=f"rank {rank}")
+
+
 def test_rank_0_s_shards_are_refused_by_rank_1(tmp_path):
     config = {"job": "fsdp", "model": "gpt2", "steps": 2, "restored_after": 1, "rank0_state": True}
     with pytest.raises(ProcessException):

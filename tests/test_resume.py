@@ -226,6 +226,73 @@ def test_a_state_dict_of_another_version_is_refused():
         make_run("sgd", torch.float64, 0)[2].load_state_dict({"quantities": []})
 
 
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+def test_a_state_saved_after_a_step_that_raised_restores_and_goes_on(tmp_path, optimizer_name):
+    # The step's Alpha kept its start before the `with` block raised (an interrupt, an exception a
+    # trainer saves a checkpoint on): that start never saw its step, and is saved so.
+    data = batches(torch.float64)
+    whole = make_run(optimizer_name, torch.float64, seed=0)
+    train(whole, data, range(STEPS))
+    interrupted = make_run(optimizer_name, torch.float64, seed=0)
+    train(interrupted, data, range(SAVED_AFTER))
+    model, optimizer, cockpit = interrupted
+    x, y = data[SAVED_AFTER]
+    optimizer.zero_grad()
+    losses = individual_loss_fn(model(x), y)
+    with pytest.raises(KeyboardInterrupt):
+        with cockpit(SAVED_AFTER, info={"batch_size": len(x), "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            raise KeyboardInterrupt
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "cockpit": cockpit.state_dict()}
+    torch.save(saved, tmp_path / "checkpoint.pt")
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    resumed = make_run(optimizer_name, torch.float64, seed=1)
+    for part, state in zip(resumed, (checkpoint["model"], checkpoint["optimizer"], checkpoint["cockpit"])):
+        part.load_state_dict(state)
+    train(resumed, data, range(SAVED_AFTER, STEPS))
+    expected, actual = whole[2].get_output(), resumed[2].get_output()
+    assert sorted(actual) == sorted(expected)
+    assert_identical(actual[SAVED_AFTER + 1], expected[SAVED_AFTER + 1])
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+def test_a_state_holding_a_process_s_own_values_is_refused_by_another_process(optimizer_name):
+    # (as another rank's state would read) Values of a process's own samples: Alpha's kept
+    # individual gradients (not with plain SGD), the noise scale's averages of its micro-batches,
+    # a quantity on Cockpit's contract (its batch and buffers).
+    every = schedules.linear(1)
+    own = lambda: [Alpha(every), GradNoiseScale(every, estimator="micro_batches"), GradL2Squared(every)]  # noqa: E731
+    run = make_run(optimizer_name, torch.float64, seed=0, quantities=own)
+    train(run, batches(torch.float64), range(2))
+    state = run[2].state_dict()
+    assert state["process"] == {"rank": 0, "world_size": 1}
+    state["process"] = {"rank": 1, "world_size": 2}
+    named = "Alpha, GradNoiseScale, GradL2Squared" if optimizer_name == "adam" else "GradNoiseScale, GradL2Squared"
+    with pytest.raises(ValueError, match=rf"saved by process 1 of 2 and holds that process's own values \(of {named}:.*this is process 0 of 1"):
+        make_run(optimizer_name, torch.float64, seed=0, quantities=own)[2].load_state_dict(state)
+    # The noise scale from per-sample gradients, as every quantity of the global batch: any process's.
+    shared = lambda: [Alpha(every), GradNoiseScale(every)]  # noqa: E731
+    run = make_run("sgd", torch.float64, seed=0, quantities=shared)
+    train(run, batches(torch.float64), range(2))
+    state = {**run[2].state_dict(), "process": {"rank": 1, "world_size": 2}}
+    make_run("sgd", torch.float64, seed=0, quantities=shared)[2].load_state_dict(state)
+
+
+def test_a_state_dict_of_version_2_is_read():
+    # Version 3 added the tags of each process's own values: a single process's version 2 has none.
+    state = saved_state()
+    state["version"] = 2
+    del state["process"]
+    fresh = make_run("sgd", torch.float64, 0)[2]
+    fresh.load_state_dict(state)
+    assert_identical(fresh.get_output(), make_run_output_after_two_steps())
+
+
+def make_run_output_after_two_steps():
+    run = make_run("sgd", torch.float64, seed=0)
+    train(run, batches(torch.float64), range(2))
+    return run[2].get_output()
+
+
 def test_the_nan_losses_a_device_holds_back_are_reported_after_a_resume():
     """On a GPU the NaN-loss warning waits on the device until output is read (the CPU warns at
     once, so the watch's device state is set here as a device step leaves it)."""

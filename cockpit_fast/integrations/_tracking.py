@@ -214,10 +214,12 @@ def lightning_callback(base, module):
             state, group = self.cockpit.state_dict(), self.cockpit.process_group
             if group is None:
                 return {"cockpit": state}
-            # Lightning asks every process and saves rank 0's: every process's own state, gathered.
-            states = [None] * torch.distributed.get_world_size(group)
-            torch.distributed.all_gather_object(states, state, group=group)
-            return {"cockpit_by_rank": states}
+            # Lightning asks every process and saves rank 0's: every process's own state,
+            # gathered there ({rank: state}; each other process's holds its own).
+            rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            states = [None] * size if rank == 0 else None
+            torch.distributed.gather_object(state, states, dst=torch.distributed.get_global_rank(group, 0), group=group)
+            return {"cockpit_by_rank": dict(enumerate(states)) if rank == 0 else {rank: state}}
 
         def setup(self, trainer, pl_module, stage):
             self._stage = stage
@@ -228,7 +230,7 @@ def lightning_callback(base, module):
         def load_state_dict(self, state_dict):
             # Lightning restores callbacks for validate, test and predict from a checkpoint too:
             # only a fit's goes on from it.
-            if not state_dict or self._stage != "fit":
+            if not state_dict or self._stage not in (None, "fit"):
                 return
             if self.cockpit is None:  # until on_fit_start makes it
                 self._restored = state_dict
@@ -237,9 +239,9 @@ def lightning_callback(base, module):
 
         def _restore(self, state_dict):
             state, group = state_dict.get("cockpit"), self.cockpit.process_group
-            if "cockpit_by_rank" in state_dict:  # its rank's (the cockpit says so if that cannot be)
+            if "cockpit_by_rank" in state_dict:  # its rank's, else rank 0's (the cockpit refuses that where it cannot be)
                 states, rank = state_dict["cockpit_by_rank"], 0 if group is None else torch.distributed.get_rank(group)
-                state = states[rank] if rank < len(states) else states[0]
+                state = states.get(rank, states.get(0))
             self.cockpit.load_state_dict(state)
 
     CockpitCallback.__module__, CockpitCallback.__qualname__ = module, "CockpitCallback"

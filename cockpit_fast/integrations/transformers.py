@@ -22,6 +22,7 @@ last, shorter cycle), and so does the callback.
 
 import inspect
 import os
+import warnings
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -74,16 +75,24 @@ class CockpitCallback(TrainerCallback):
             self._hook = model.register_forward_hook(torch.compiler.disable(self._micro_batch), with_kwargs=True)
         self._args = args
         self._trainer, resumed_from = _calling_trainer()
-        saved = None if resumed_from is None else os.path.join(resumed_from, state_file(self.cockpit))
-        if saved is not None and os.path.isfile(saved):
-            self.cockpit.load_state_dict(torch.load(saved, weights_only=True))
+        if resumed_from is not None:
+            self._restore(resumed_from)
+
+    def _restore(self, folder):
+        # This process's own state, else one process's (a checkpoint of one process, or of an
+        # earlier version): the cockpit refuses it where it holds another process's own values.
+        for name in (state_file(self.cockpit), STATE_FILE, "cockpit_state_rank0.pt"):
+            if os.path.isfile(os.path.join(folder, name)):
+                self.cockpit.load_state_dict(torch.load(os.path.join(folder, name), weights_only=True))
+                return
+        warnings.warn(f"the checkpoint {folder} holds no cockpit state: the cockpit starts afresh")
 
     def on_save(self, args, state, control, **kwargs):
         # Beside the trainer's own state in the checkpoint it has just written (under torchrun
-        # each process saves its random state there too, as each its cockpit's).
+        # each process's, as the trainer's random states).
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder):
-            torch.save(self.cockpit.state_dict(), os.path.join(folder, state_file(self.cockpit)))
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.cockpit.state_dict(), os.path.join(folder, state_file(self.cockpit)))
 
     def _micro_batch(self, module, args, kwargs, output):
         if not (module.training and torch.is_grad_enabled() and self._steps.open):

@@ -209,8 +209,7 @@ class _StartPoint:
             }
         )
         # Kept individual gradients are this process's samples', in its share of the batch.
-        share = self.rank_share if self.sgd else this_process(self.rank_share)
-        state["rank_share"] = share if observed else None
+        state["rank_share"] = None if not observed else self.rank_share if self.sgd else this_process(self.rank_share)
         state["grad_batch"] = None if self.grad_batch is None else [this_process(kept.state()) for kept in self.grad_batch]
         return state
 

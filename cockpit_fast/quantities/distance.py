@@ -1,6 +1,6 @@
 """Distance of the parameters from their initial values."""
 
-from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_per_param
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_copies
 from cockpit_fast.quantities.update_size import layerwise_distance
 
 
@@ -36,4 +36,4 @@ class Distance(FastQuantity):
     def load_state_dict(self, state, params):
         super().load_state_dict(state, params)
         initial = state["initial"]
-        self._initial = None if initial is None else restored_per_param(initial, params)
+        self._initial = None if initial is None else restored_copies(initial, params)

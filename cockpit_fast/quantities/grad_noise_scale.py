@@ -5,7 +5,7 @@ import numbers
 import torch
 
 from cockpit_fast.statistics import BATCH_L2
-from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state, skip_single_sample
+from cockpit_fast.quantities.quantity import FastQuantity, plain_state, restored_state, skip_single_sample, this_process
 
 
 class GradNoiseScale(FastQuantity):
@@ -83,15 +83,17 @@ class GradNoiseScale(FastQuantity):
             "ema_steps": self._ema_steps,
             "warned_single_sample": self._warned_single_sample,
         }
-        return {**super().state_dict(), **plain_state(averages)}
+        # From micro-batches, the averages are of this process's own micro-batches.
+        saved = plain_state(averages) if self.NEEDS_CALLS else {key: this_process(v) for key, v in averages.items()}
+        return {**super().state_dict(), **saved}
 
     def load_state_dict(self, state, params):
         super().load_state_dict(state, params)
         device = params[0].device  # where the statistics are summed
         self._ema_trace_sigma = restored_state(state["ema_trace_sigma"], device)
         self._ema_grad_sq = restored_state(state["ema_grad_sq"], device)
-        self._ema_steps = state["ema_steps"]
-        self._warned_single_sample = state["warned_single_sample"]
+        self._ema_steps = restored_state(state["ema_steps"])
+        self._warned_single_sample = restored_state(state["warned_single_sample"])
 
     def _compute(self, ctx):
         estimates = self._per_sample(ctx) if self.NEEDS_CALLS else self._from_micro_batches(ctx)

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from cockpit_fast.context import tracking
-from cockpit_fast.fsdp import DTensor, full, is_sharded
+from cockpit_fast.fsdp import DTensor, distribute_tensor, full, is_sharded
 
 
 class FastQuantity:
@@ -227,9 +227,12 @@ def _same_kind_scalars(values):
     return len(kinds) == 1 and None not in kinds
 
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """Version of the layout of :meth:`cockpit_fast.cockpit.Cockpit.state_dict` and the quantities'
-state dicts: a state dict of another version is refused, not misread."""
+state dicts: a state dict of another version is refused, not misread (3 added the tags of values
+one process keeps for itself, :func:`this_process`; version 2, without them, is read too)."""
+
+READ_VERSIONS = (2, 3)
 
 _NUMPY_ARRAY, _NUMPY_SCALAR = "__numpy_array__", "__numpy_scalar__"
 # What one process of several keeps for itself: a DTensor's shard, and values of its own samples.
@@ -311,14 +314,29 @@ def restored_per_param(values, params):
     return [restored_state(value, param.device, param) for value, param in zip(values, params)]
 
 
-def holds_this_process(state):
+def restored_copies(values, params):
+    """:func:`restored_per_param` of copies of the parameters, sharded as they are: a copy saved
+    unsharded (by one process, or under DDP) restored for a parameter FSDP2 shards as this
+    process's shard of it."""
+    return [
+        distribute_tensor(copy, param.device_mesh, param.placements, src_data_rank=None)
+        if is_sharded(param) and not is_sharded(copy)
+        else copy
+        for copy, param in zip(restored_per_param(values, params), params)
+    ]
+
+
+def holds_this_process(state, tags=(_SHARD, _THIS_PROCESS)):
     """Whether ``state`` holds values of the process that saved it alone (shards, or values of
-    its samples): see :func:`this_process`."""
+    its samples: see :func:`this_process`); ``tags=holds_this_process.SHARDS``: shards."""
     if isinstance(state, dict):
-        return _tag(state) in (_SHARD, _THIS_PROCESS) or any(holds_this_process(v) for v in state.values())
+        return _tag(state) in tags or any(holds_this_process(v, tags) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return any(holds_this_process(v) for v in state)
+        return any(holds_this_process(v, tags) for v in state)
     return False
+
+
+holds_this_process.SHARDS = (_SHARD,)
 
 
 def _tag(state):
@@ -448,6 +466,10 @@ class Quantity(FastQuantity):
     def forget(self, steps):
         for step in steps:
             self.output.pop(step, None)
+
+    def state_dict(self):
+        """:attr:`output`, of this process's own batch and buffers (:func:`this_process`)."""
+        return {"output": this_process(self.get_output())}
 
     def load_state_dict(self, state, params):
         """Restore :attr:`output` from :meth:`state_dict` (see :meth:`FastQuantity.load_state_dict`)."""

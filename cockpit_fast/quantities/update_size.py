@@ -1,7 +1,7 @@
 """Size of the parameter update of one step."""
 
 from cockpit_fast.fsdp import norms
-from cockpit_fast.quantities.quantity import FastQuantity, StepCache, plain_state, restored_per_param
+from cockpit_fast.quantities.quantity import FastQuantity, StepCache, plain_state, restored_copies
 
 
 def layerwise_distance(params, reference):
@@ -40,4 +40,4 @@ class UpdateSize(FastQuantity):
 
     def load_state_dict(self, state, params):
         super().load_state_dict(state, params)
-        self._start.load_state_dict(state["start"], lambda copies: restored_per_param(copies, params))
+        self._start.load_state_dict(state["start"], lambda copies: restored_copies(copies, params))
