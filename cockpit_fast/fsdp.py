@@ -6,9 +6,11 @@ parameter for the whole run, its storage freed between uses), which FSDP2 sets o
 while it runs; its gradient, this rank's own and full-size, is reduce-scattered into the shard's
 ``.grad``. :class:`Unsharded` maps each tracked parameter to the tensor in the graph and back,
 so that the capture, the engine and the gradient hooks see the calls and gradients of the
-tracked parameters. FSDP1 (``FullyShardedDataParallel``) is refused (:func:`refuse_fsdp1`).
+tracked parameters. :meth:`Unsharded.engine_passes` keeps FSDP2's hooks out of the per-sample
+engine's own backward passes. FSDP1 (``FullyShardedDataParallel``) is refused (:func:`refuse_fsdp1`).
 """
 
+import contextlib
 import math
 
 import torch
@@ -53,6 +55,7 @@ class Unsharded:
         self._tracked = {id(p): p for p in params if is_sharded(p)}
         self._to_graph = {}  # id(tracked shard) -> unsharded tensor
         self._to_tracked = {}  # id(unsharded tensor) -> tracked shard
+        self._in_engine_passes = False
 
     @property
     def active(self):
@@ -112,6 +115,79 @@ class Unsharded:
             if isinstance(state, FSDPState):
                 self._read(state)
 
+    @contextlib.contextmanager
+    def engine_passes(self, needed, frees_the_graph=False):
+        """Around the per-sample engine's own backward passes (not the step's): every FSDP2
+        module of the tracked parameters' models unsharded, and FSDP2's hooks in the graph
+        doing nothing. Every rank of their meshes enters it at once (it is a collective);
+        nested, it does nothing.
+
+        FSDP2's hooks unshard each module a backward pass reaches (an all-gather) and
+        reduce-scatter its gradient after. An engine's pass reaches what this rank's samples
+        used (not a branch or an expert none of them took), on the steps this rank's engine
+        decides (a module's first call): the ranks' collectives would not match (gloo aborts,
+        NCCL hangs). So the ranks agree whether any of them runs such passes, and then each
+        unshards every module in one order; the passes want gradients with respect to the
+        unsharded tensors only, none of FSDP2's reductions. The whole model is unsharded while
+        they run.
+
+        Args:
+            needed (bool): Whether this rank runs passes of its own.
+            frees_the_graph (bool): The last pass frees the forward pass's graph (no backward
+                pass of the user's follows): FSDP2's callback at the end of a backward pass
+                runs, as it would there, and forgets the forward pass (else kept, that of the
+                user's backward pass, which prefetches by it).
+        """
+        if self._in_engine_passes or not self._tracked:
+            yield
+            return
+        meshes = list(dict.fromkeys(p.device_mesh for p in self._tracked.values()))
+        if not _on_any_rank(needed, meshes):
+            yield
+            return
+        states = self._states()
+        groups = [group for state in states for group in state._fsdp_param_groups]
+        sharded = [state for state in states if not all(group.is_unsharded for group in state._fsdp_param_groups)]
+        training_states = [state._training_state for state in states]  # (the pre-backward hook sets it)
+        contexts = [] if frees_the_graph else list(dict.fromkeys(state._state_ctx for state in states))
+        queued = [context.post_backward_final_callback_queued for context in contexts]
+        for state in sharded:
+            state._modules[0].unshard()
+        # No unshard (all is), reduce-scatter or reshard in the passes. (The hooks look these
+        # methods up as they run: the instance's hide the class's.)
+        for group in groups:
+            group.pre_backward = group.post_backward = _do_nothing
+        for context in contexts:  # (as if queued already: none is)
+            context.post_backward_final_callback_queued = True
+        self._in_engine_passes = True
+        try:
+            yield
+        finally:
+            self._in_engine_passes = False
+            for group in groups:
+                del group.pre_backward, group.post_backward
+            for context, was in zip(contexts, queued):
+                context.post_backward_final_callback_queued = was
+            for state, was in zip(states, training_states):
+                state._training_state = was
+            for state in sharded:
+                state._modules[0].reshard()
+
+    def _states(self):
+        """The FSDP2 states of every module of the models that hold tracked parameters (also
+        of modules that hold none: the passes run through them), in an order every rank shares:
+        that of the fully_shard calls, each model's modules in ``named_modules()`` order."""
+        states = []
+        for state_ref in list(_module_state_mapping.values()):
+            state = state_ref()
+            if isinstance(state, FSDPState) and state not in states and any(
+                id(fsdp_param.sharded_param) in self._tracked
+                for group in state._fsdp_param_groups
+                for fsdp_param in group.fsdp_params
+            ):
+                states.extend(s for s in state._state_ctx.all_states if s not in states)
+        return states
+
     def _read(self, state):
         for group in state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
@@ -120,6 +196,21 @@ class Unsharded:
                 if shard is not None and unsharded is not None:
                     self._to_graph[id(shard)] = unsharded
                     self._to_tracked[id(unsharded)] = shard
+
+
+def _do_nothing(*_):
+    pass
+
+
+def _on_any_rank(flag, meshes):
+    """Whether ``flag`` holds on any rank of ``meshes`` (one all-reduce per mesh dimension,
+    which every rank of them joins)."""
+    flag = torch.tensor([int(flag)])
+    for mesh in meshes:
+        flag = flag.to(mesh.device_type)
+        for group in mesh.get_all_groups():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def norms(tensors):

@@ -250,10 +250,13 @@ def _rank_main(rank, rank_sizes, config, workdir):
     try:
         if config.get("job") == "collect":
             result = collect_rows(rank, rank_sizes)
-        elif config.get("job") in ("fsdp", "fsdp_collect", "fsdp_refusals"):
+        elif config.get("job") in ("fsdp", "fsdp_routed", "fsdp_collect", "fsdp_refusals"):
             import fsdp_training
 
-            job = {"fsdp": fsdp_training.train, "fsdp_collect": fsdp_training.collect_rows, "fsdp_refusals": fsdp_training.refusals}
+            job = {
+                "fsdp": fsdp_training.train, "fsdp_routed": fsdp_training.train_routed,
+                "fsdp_collect": fsdp_training.collect_rows, "fsdp_refusals": fsdp_training.refusals,
+            }
             result = job[config["job"]](config, rank, rank_sizes)
         else:
             with warnings.catch_warnings():

@@ -1,7 +1,7 @@
 """Language models trained under FSDP2 (``fully_shard`` on each block and the root) or in one
 process on the global batch, tracked by a cockpit or a gradient-metrics collector (test helper,
 run in the ranks of :func:`distributed_training.run_group` with ``config["job"]`` "fsdp" or
-"fsdp_collect").
+"fsdp_collect"); a model whose samples take a branch and experts by their data ("fsdp_routed").
 
 The same model, initial weights and global batches either way: rank r trains on its slice of
 each global batch. FSDP2 averages the ranks' gradients, the global batch's mean only for equal
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from cockpit_fast import quantities as q
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.utils import schedules
+from cockpit_fast.utils.configuration import configuration
 from distributed_training import QUANTITY_SETS, restored
 
 VOCAB, LENGTH = 64, 12
@@ -142,6 +143,89 @@ def train(config, rank=0, rank_sizes=None):
             opt.zero_grad()
             slices = torch.split(_losses(model, ids), rank_sizes)
             (sum(part.mean() for part in slices) / len(rank_sizes)).backward()
+        opt.step()
+    return {"output": {step: dict(values) for step, values in cockpit.get_output().items()}}
+
+
+class Experts(torch.nn.Module):
+    """Two experts, each called on the rows routed to it only (none where none is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(12, 4), torch.nn.Linear(12, 4)])
+
+    def forward(self, h, choice):
+        out = h.new_zeros(h.shape[0], 4)
+        for k, expert in enumerate(self.experts):
+            rows = (choice == k).nonzero().squeeze(1)
+            if len(rows):
+                out = out.index_add(0, rows, expert(h[rows]))
+        return out
+
+
+class Routed(torch.nn.Module):
+    """A trunk, experts each sample picks by its second feature's sign, and a branch only the
+    samples with a positive first feature take (skipped where none does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.Tanh())
+        self.head = torch.nn.Linear(12, 4)
+        self.experts = Experts()
+        self.branch = torch.nn.Linear(10, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        out = self.head(h) + self.experts(h, (x[:, 1] > 0).long())
+        taken = x[:, 0] > 0
+        if taken.any():
+            out = out + self.branch(x) * taken[:, None].to(x.dtype)
+        return out
+
+
+def _routed_batches(steps):
+    """Global batches of 12: samples 0 to 2 take the branch at every step; the second expert
+    is taken by sample 1 at step 0, by samples 1 and 9 at step 1, by samples 2 and 10 at step 2
+    (with two ranks of 6 samples: the first rank's samples alone take the branch, and the
+    second's take the second expert first at step 1, a call only that rank's engine checks)."""
+    data = torch.Generator().manual_seed(1)
+    second_expert = [[1], [1, 9], [2, 10]]
+    for step in range(steps):
+        x = torch.randn(12, 10, generator=data, dtype=torch.float64)
+        x[:, 0] = x[:, 0].abs() * torch.where(torch.arange(12) < 3, 1.0, -1.0).double()
+        x[:, 1] = -x[:, 1].abs()
+        x[second_expert[step], 1] *= -1
+        yield x, torch.randint(0, 4, (12,), generator=data)
+
+
+def train_routed(config, rank=0, rank_sizes=None):
+    """:func:`train`'s steps for :class:`Routed` (float64, FSDP2 on the trunk, on the experts
+    with ``config["experts_apart"]``, and the root; a parameter none of a rank's samples use is
+    reduce-scattered with zeros there), tracking the economy configuration; ranks of equal
+    batch sizes (FSDP2 then steps with the global batch's mean)."""
+    distributed = dist.is_initialized()
+    torch.manual_seed(0)
+    model = Routed().double()
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model.trunk, mesh=mesh)
+        if config.get("experts_apart"):
+            fully_shard(model.experts, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_reduce_scatter_unused_params(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    sizes = rank_sizes if distributed else [sum(rank_sizes)]
+    start, local_n = sum(sizes[:rank]), sizes[rank]
+    for step, (x, y) in enumerate(_routed_batches(config["steps"])):
+        x, y = x[start : start + local_n], y[start : start + local_n]
+        opt.zero_grad()
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": local_n, "individual_losses": losses, "loss": losses.mean(), "optimizer": opt}):
+            losses.mean().backward()
         opt.step()
     return {"output": {step: dict(values) for step, values in cockpit.get_output().items()}}
 

@@ -123,12 +123,16 @@ class Engine:
         try:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
-            if losses is not None and unchecked and losses.shape[0] > 0:
-                step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
-                step.check = True  # the backward pass's gradient, against the forms
-                return step
-            whole = self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
-            step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
+            checks = losses is not None and unchecked and losses.shape[0] > 0
+            whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
+            own_passes = self.capture.unsharded.engine_passes(checks or bool(whole))
+            # (Every rank hands in its losses, or none does: then none runs a pass of its own.)
+            with own_passes if losses is not None else contextlib.nullcontext():
+                if checks:
+                    step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
+                    step.check = True  # the backward pass's gradient, against the forms
+                    return step
+                step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
         except BaseException:
             step.release()
             raise
@@ -187,22 +191,23 @@ class Engine:
         """``{id(param): form}`` of every sample's own loss, from a backward pass of its own
         (the collector's route); ``retain_graph``: whether the graph survives it."""
         losses = _sample_losses(losses)
-        step = self.begin(losses, scale)
-        tracked = [p for p in self.params if p.requires_grad]
-        inputs = self._in_graph(tracked)
-        if not step.armed:
-            if not retain_graph:  # free it as a last backward pass would
+        with self.capture.unsharded.engine_passes(True, frees_the_graph=not retain_graph):
+            step = self.begin(losses, scale)
+            tracked = [p for p in self.params if p.requires_grad]
+            inputs = self._in_graph(tracked)
+            if not step.armed:
+                if not retain_graph:  # free it as a last backward pass would
+                    with user_hooks_set_aside(inputs):
+                        torch.autograd.grad(losses, inputs, torch.zeros_like(losses), allow_unused=True)
+                return step.forms
+            try:
                 with user_hooks_set_aside(inputs):
-                    torch.autograd.grad(losses, inputs, torch.zeros_like(losses), allow_unused=True)
-            return step.forms
-        try:
-            with user_hooks_set_aside(inputs):
-                grads = torch.autograd.grad(
-                    losses, inputs, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
-                )
-        except BaseException:
-            self.end(step, failed=True)
-            raise
+                    grads = torch.autograd.grad(
+                        losses, inputs, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
+                    )
+            except BaseException:
+                self.end(step, failed=True)
+                raise
         return self.end(step, {id(p): g for p, g in zip(tracked, grads) if g is not None})
 
     def routes(self):
