@@ -55,11 +55,15 @@ class _Sharded(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(out, one):
+def _data():
     gen = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(
+    return torch.utils.data.TensorDataset(
         torch.randn(SAMPLES, FEATURES, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
     )
+
+
+def main(out, one):
+    data = _data()
     if one:  # each step's samples as the ranks take them (Lightning's sampler shuffles, seed 0)
         ranks = [list(torch.utils.data.DistributedSampler(range(SAMPLES), 2, r, seed=0)) for r in range(2)]
         order = [i for start in range(0, SAMPLES // 2, STEP // 2) for r in ranks for i in r[start : start + STEP // 2]]
@@ -90,10 +94,7 @@ def resume(out, mode):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    gen = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(
-        torch.randn(SAMPLES, FEATURES, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
-    )
+    data = _data()
     outputs = {}
     for run in ("whole", "resumed"):
         strategy = ModelParallelStrategy(2, 1, process_group_backend="gloo") if mode == "mp" else "ddp"
