@@ -116,7 +116,7 @@ class Unsharded:
                 self._read(state)
 
     @contextlib.contextmanager
-    def engine_passes(self, needed, frees_the_graph=False):
+    def engine_passes(self, needed, frees_the_graph=False, on_every_rank=False):
         """Around the per-sample engine's own backward passes (not the step's): every FSDP2
         module of the tracked parameters' models unsharded, and FSDP2's hooks in the graph
         doing nothing. Every rank of their meshes enters it at once (it is a collective);
@@ -133,16 +133,17 @@ class Unsharded:
 
         Args:
             needed (bool): Whether this rank runs passes of its own.
-            frees_the_graph (bool): The last pass frees the forward pass's graph (no backward
-                pass of the user's follows): FSDP2's callback at the end of a backward pass
-                runs, as it would there, and forgets the forward pass (else kept, that of the
-                user's backward pass, which prefetches by it).
+            frees_the_graph (bool): The passes end the forward pass's graph (no backward pass
+                of the user's follows): FSDP2's callback at the end of a backward pass runs after
+                each of them, as it would after that one, and forgets the forward pass (else
+                kept, that of the user's backward pass, which prefetches by it).
+            on_every_rank (bool): Every rank runs passes (the collector's): nothing to agree on.
         """
         if self._in_engine_passes or not self._tracked:
             yield
             return
         meshes = list(dict.fromkeys(p.device_mesh for p in self._tracked.values()))
-        if not _on_any_rank(needed, meshes):
+        if not (on_every_rank or _on_any_rank(needed, meshes)):
             yield
             return
         states = self._states()
@@ -164,8 +165,9 @@ class Unsharded:
             yield
         finally:
             self._in_engine_passes = False
-            for group in groups:
-                del group.pre_backward, group.post_backward
+            for group in groups:  # (the class's methods again)
+                vars(group).pop("pre_backward", None)
+                vars(group).pop("post_backward", None)
             for context, was in zip(contexts, queued):
                 context.post_backward_final_callback_queued = was
             for state, was in zip(states, training_states):

@@ -102,6 +102,8 @@ class GradientMetricCollector:
         try:
             grads = self._engine.per_sample(loss, retain_graph=retain_graph)
         except RuntimeError as error:
+            if self._engine.capture.unsharded.active:  # per sample, each rank's FSDP2 collectives would differ
+                raise
             warn_once(
                 "GradientMetricCollector: the batched backward pass failed "
                 f"({type(error).__name__}: {error}); running one backward pass per sample instead"

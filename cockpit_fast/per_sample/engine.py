@@ -191,7 +191,7 @@ class Engine:
         """``{id(param): form}`` of every sample's own loss, from a backward pass of its own
         (the collector's route); ``retain_graph``: whether the graph survives it."""
         losses = _sample_losses(losses)
-        with self.capture.unsharded.engine_passes(True, frees_the_graph=not retain_graph):
+        with self.capture.unsharded.engine_passes(True, frees_the_graph=not retain_graph, on_every_rank=True):
             step = self.begin(losses, scale)
             tracked = [p for p in self.params if p.requires_grad]
             inputs = self._in_graph(tracked)
