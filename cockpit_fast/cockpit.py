@@ -353,10 +353,11 @@ class Cockpit:
         its own file with them, and goes on).
 
         Under ``torch.distributed`` each process saves its own (no collective): most of it is the
-        same in every process, but FSDP2's shards (Distance's start, UpdateSize's carried step)
-        and, with an optimizer other than plain SGD, Alpha's kept individual gradients are each
-        process's own. A state holding those is restored into the process of the same rank, of
-        as many, only (:meth:`load_state_dict` says so otherwise).
+        same in every process, but some values are each process's own: FSDP2's shards (Distance's
+        start, UpdateSize's carried step), Alpha's kept individual gradients (an optimizer other
+        than plain SGD), the noise scale's averages of the process's micro-batches, the output of
+        a quantity on Cockpit's contract. A state holding those is restored into the process of
+        the same rank, of as many, only (:meth:`load_state_dict` says so otherwise).
         """
         from cockpit_fast.quantities.quantity import STATE_VERSION, plain_state
 
@@ -420,12 +421,13 @@ class Cockpit:
         for index, (saved, own) in enumerate(zip(state["param_shapes"], shapes)):
             if saved != own:
                 raise ValueError(f"parameter {index} has shape {tuple(saved)} in state, {tuple(own)} in this cockpit")
-        saved_by, own = state.get("process"), [n for n, q in zip(names, state["quantity_states"]) if holds_this_process(q)]
-        if own and saved_by is not None and saved_by != self._process():
+        saved_by, here = state.get("process"), self._process()
+        own = [n for n, q in zip(names, state["quantity_states"]) if holds_this_process(q)]
+        if own and saved_by is not None and saved_by != here:
             raise ValueError(
                 f"state was saved by process {saved_by['rank']} of {saved_by['world_size']} and holds that process's "
-                f"own values (of {', '.join(own)}: FSDP2's shards, and Alpha's kept individual gradients, are each process's), "
-                f"this is process {self._process()['rank']} of {self._process()['world_size']}: save every process's "
+                f"own values (of {', '.join(own)}: FSDP2's shards, or values of its own samples), "
+                f"this is process {here['rank']} of {here['world_size']}: save every process's "
                 "state_dict() and restore each into the process of its rank"
             )
         if any(holds_this_process(q, holds_this_process.SHARDS) for q in state["quantity_states"]) and not self._unsharded.active:
