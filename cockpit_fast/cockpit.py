@@ -121,6 +121,7 @@ class Cockpit:
         self._nan_loss = _NanLossWatch()
         self._steps_since_output = 0
         self._mean_checked = False  # the first step with per-sample statistics checks info's loss
+        self._said_unreached = False  # a step whose backward passes did not reach some tracked parameters
         self._last_step = None  # the step last tracked or not: whether steps come one after another
         self._learning_rates = {}  # step -> info['optimizer']'s learning rate
 
@@ -143,6 +144,19 @@ class Cockpit:
         tracked parameter's per-sample gradients (a module's rule, a replay of its call, or the
         whole graph), to see why a step is slow. Names are those in the model last called."""
         return {} if self._engine is None else self._engine.routes()
+
+    def _say_unreached(self, global_step, indices):
+        """Warns once that the tracked parameters ``indices`` got no gradient at a step."""
+        if not indices or self._said_unreached:
+            return
+        self._said_unreached = True
+        named = self._engine._describe([id(self.params[i]) for i in indices]) if self._engine is not None else f"tracked parameters {indices}"
+        warnings.warn(
+            f"[Step {global_step}] {named} got no gradient: no backward pass of the step reached them (an expert no "
+            "token chose, a layer the forward pass skipped); each sample's gradient of each counts as zero (said once)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def create_graph(self, global_step):
         """Whether ``loss.backward`` must keep the graph at ``global_step``."""
@@ -790,9 +804,15 @@ class _TrackedBackward:
         and the quantities skipped for the step."""
         cockpit, plan = self._cockpit, self._plan
         local_grads = self._total
-        complete = self._grads is not None and len(local_grads) == len(plan.params)
-        grads = [local_grads[i].detach() for i in range(len(plan.params))] if plan.group is None and complete else None
         stats = self._statistics
+        grads = None  # param.grad, where the step's gradients were not captured
+        if plan.group is None and self._grads is not None:
+            # A parameter no backward pass reached (an expert no token chose): its gradient is zero.
+            grads = [local_grads[i].detach() if i in local_grads else torch.zeros_like(p.detach()) for i, p in enumerate(plan.params)]
+            cockpit._say_unreached(plan.global_step, [i for i in range(len(plan.params)) if i not in local_grads])
+        elif plan.group is None:
+            without = [i for i, p in enumerate(plan.params) if p.grad is None]
+            cockpit._say_unreached(plan.global_step, without if len(without) < len(plan.params) else [])
         info = _combined_info(plan, self._ended, None if stats is None else stats.samples) if self._micro else None
         norms = _micro_batch_norms(self._ended, plan, local_grads) if self._reads_micro else None
         step = {"local_grads": local_grads, "grads": grads, "info": info, "micro_batch_norms": norms,
@@ -805,11 +825,12 @@ class _TrackedBackward:
             )
         if plan.group is not None:
             stats.agree(*agreed_by_ranks(stats.reached, stats.complete, stats.dropped, plan.params, plan.group))
+            cockpit._say_unreached(plan.global_step, [i for i in range(len(plan.params)) if i not in stats.anywhere])
         results = defaultdict(dict)
         for statistic, index, value in stats.values():
             results[statistic][index] = value
         if plan.group is None:
-            for statistic, index, value in stats.later({i: g.detach() for i, g in local_grads.items()}):
+            for statistic, index, value in stats.later(grads):
                 results[statistic][index] = value
         ctx = StepContext(
             plan, results=results, local_batch_size=stats.samples or None,

@@ -446,15 +446,14 @@ class StepContext(_InfoReader):
         """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
         if self._global_grads is not None:
             return self._global_grads
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
-        if missing:
+        if all(p.grad is None for p in self.params):
             raise RuntimeError(
-                f"the mini-batch gradient was not computed for parameters {missing}: were they used "
+                f"the mini-batch gradient was not computed for any tracked parameter: were they used "
                 f"in the forward pass? {WRAPPED_LATER}"
             )
-        if self.unscale != 1.0:
-            return [p.grad.detach() * self.unscale for p in self.params]
-        return [p.grad.detach() for p in self.params]
+        # One no backward pass reached (an expert no token chose) has a zero gradient.
+        grads = [torch.zeros_like(p.detach()) if p.grad is None else p.grad.detach() for p in self.params]
+        return grads if self.unscale == 1.0 else [g * self.unscale for g in grads]
 
     def flat_grad(self):
         """Mini-batch gradient of all tracked parameters as one vector."""
@@ -523,7 +522,7 @@ class StepStatistics:
         self._sizes = []  # samples of each micro-batch
         self.reached = set()  # indices of the parameters some micro-batch's backward pass reached
         self._complete = None  # of those, the ones every micro-batch's reached (None: no micro-batch yet)
-        self._elsewhere = set()  # of those other ranks' backward passes reached, this rank's not
+        self.anywhere = self.reached  # of those some rank's backward passes reached (agree())
         self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
         self.samples = 0  # samples of the micro-batches so far
@@ -543,8 +542,7 @@ class StepStatistics:
         (later, a dot product with factors costs a weight-gradient product)."""
         batch = self.micro_batches
         self.micro_batches += 1
-        # Not used by this backward pass: zeros where another micro-batch uses it (_merged), else
-        # per_param() will say so.
+        # Not used by this backward pass: its samples' gradients are zeros (_merged).
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
         self.reached.update(index for index, _, _ in found)
@@ -592,8 +590,7 @@ class StepStatistics:
     def agree(self, anywhere, everywhere, dropped):
         """Under ``torch.distributed``, what every rank's backward passes made of the step (alike
         on every rank): the indices of the parameters some of them reached (``anywhere``) and
-        every one of them (``everywhere``); those this rank's did not reach get the values of its
-        samples' zero gradients, as the global batch's one backward pass would count them.
+        every one of them (``everywhere``).
         ``dropped``: some rank dropped the forms it kept, so every rank skips what waited for
         them.
 
@@ -602,14 +599,14 @@ class StepStatistics:
                 FSDP2 shards that not every backward pass reached (gathered, they would have to
                 be, by the ranks that lack them alone).
         """
-        partial = [i for i in sorted(set(anywhere) - set(everywhere)) if is_sharded(self.params[i])]
+        partial = [i for i in range(len(self.params)) if i not in everywhere and is_sharded(self.params[i])]
         readers = sorted(repr(s) for s in self.requests if s.reads_param)
         if partial and readers:
             raise ValueError(
                 f"{', '.join(readers)} read the values of tracked parameters {partial}, sharded by FSDP2, which some "
                 "micro-batch or rank of the step did not use: track them on steps that use every parameter"
             )
-        self._elsewhere = set(anywhere) - self.reached
+        self.anywhere = set(anywhere)
         if dropped:
             self._drop()
 
@@ -632,18 +629,21 @@ class StepStatistics:
 
     def _merged(self, statistics, grads=None):
         for statistic in statistics:
-            parts = {**dict.fromkeys(self._elsewhere, {}), **self._parts.pop(statistic, {})}
+            parts = {**dict.fromkeys(range(len(self.params)), {}), **self._parts.pop(statistic, {})}
             for index, values in sorted(parts.items()):
                 if not statistic.once_a_step or not values:
                     values = {**self._of_zeros(statistic, index, values.keys(), grads), **values}
+                if not values:  # no micro-batch held samples: per_param() says so
+                    continue
                 values = [values[batch] for batch in sorted(values)]
                 yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
 
     def _of_zeros(self, statistic, index, reached, grads):
         """``{micro-batch: value}`` of ``statistic`` for the micro-batches whose backward passes did
         not reach parameter ``index`` (a branch one of them skips, an expert none of its tokens
-        chose): their samples' gradients are zeros, which one backward pass over the step's
-        batch would count too (in the histograms, as per-sample norms and products)."""
+        chose, on this rank or on every rank): their samples' gradients are zeros, which one
+        backward pass over the step's batch would count too (in the histograms, as per-sample
+        norms and products)."""
         param = self.params[index]
         missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
         if statistic.once_a_step:  # what it reads was kept before this step: one value

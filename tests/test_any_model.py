@@ -244,24 +244,31 @@ class _SkippedSubmodule(torch.nn.Module):
 
 
 @pytest.mark.parametrize("with_losses", [True, False])
-def test_parameters_of_a_submodule_never_run_get_no_per_sample_gradients(with_losses):
+def test_parameters_of_a_submodule_never_run_have_zero_gradients_said_once(with_losses):
     torch.manual_seed(0)
     model = _SkippedSubmodule().double()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
     losses_of = lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none")  # noqa: E731
     drop = () if with_losses else ("individual_losses",)
-    everything = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.InnerTest(EVERY)])
-    with pytest.raises(RuntimeError, match=r"not computed for parameters \[2, 3\]: they got no gradient"):
-        _step(model, losses_of, x, y, everything, drop_info=drop)
-    assert everything.routes()["never_run.weight"] == "not reached"
-    model.zero_grad()
-    used = [p for name, p in model.named_parameters() if not name.startswith("never_run")]
-    cockpit = Cockpit(used, quantities=[quantities.NormTest(EVERY), quantities.InnerTest(EVERY)])
-    _step(model, losses_of, x, y, cockpit, drop_info=drop)
-    g = flat(_oracle(model, used, losses_of, x, y, {}))
+    params = list(model.parameters())
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.GradNorm(EVERY)]
+    cockpit = Cockpit(params, quantities=tracked)
+    with pytest.warns(RuntimeWarning, match=r"2 tracked parameters \(never_run.weight, never_run.bias\) got no gradient"):
+        _step(model, losses_of, x, y, cockpit, drop_info=drop)
+    assert cockpit.routes()["never_run.weight"] == "not reached"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        _step(model, losses_of, x, y, cockpit, step=1, drop_info=drop)
+    expected_grads = _oracle(model, params, losses_of, x, y, {})  # zeros for never_run's
+    g = flat(expected_grads)
     n, mean = g.shape[0], g.mean(0)
     norm_test = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(norm_test), rel=1e-9)
+    inner_test = ((g @ mean).var() / (n * (mean**2).sum() ** 2)).sqrt()
+    output = cockpit.get_output()[1]
+    assert output["NormTest"] == pytest.approx(float(norm_test), rel=1e-9)
+    assert output["InnerTest"] == pytest.approx(float(inner_test), rel=1e-9)
+    assert output["GradNorm"] == pytest.approx([float(e.mean(0).norm()) for e in expected_grads], rel=1e-9, abs=1e-12)
+    assert output["GradNorm"][2:4] == [0.0, 0.0]
 
 
 def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():

@@ -6,6 +6,7 @@ data and seed trained twice, once under each Cockpit, and the outputs compared.
 
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -396,16 +397,34 @@ def test_a_variance_over_one_sample_skips_the_step_with_one_warning(name):
 
 
 @pytest.mark.parametrize("name", ["GradNorm", "Alpha", "CABS"])
-def test_a_parameter_without_gradient_is_a_clear_error(name):
+def test_a_parameter_without_gradient_counts_as_zero_said_once(name):
     torch.manual_seed(0)
     model, unused = extend(torch.nn.Linear(5, 3)), torch.nn.Linear(5, 3)
     loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
-    params = [*model.parameters(), *unused.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
-    cp = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
     batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    with pytest.raises(RuntimeError, match=r"gradient was not computed for parameters \[2, 3\]"):
-        training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp)
+    outputs = []
+    for params in ([*model.parameters(), *unused.parameters()], list(model.parameters())):
+        torch.manual_seed(1)
+        for p, value in zip(model.parameters(), (torch.ones(3, 5) / 7, torch.zeros(3))):
+            p.data.copy_(value)
+        opt = torch.optim.SGD(params, lr=0.1)
+        cp = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                training_step(model, opt, batch, individual, loss_fn=loss_fn, cockpit=cp, step=step)
+        said = [str(w.message) for w in caught if "got no gradient" in str(w.message)]
+        assert len(said) == (0 if len(params) == 2 else 1)
+        assert all(s.startswith("[Step 0]") and re.search(r"parameters? \[?2\b.*\b3\b", s) for s in said), said
+        outputs.append(cp.get_output())
+    with_unused, without = outputs
+    for step in (0,) if name == "Alpha" else (0, 1):
+        value = with_unused[step][name]
+        expected = without[step][name]
+        if name == "GradNorm":
+            assert value[2:] == [0.0, 0.0]
+            value = value[:2]
+        assert value == pytest.approx(expected, rel=1e-6), step
 
 
 def test_all_lists_the_quantities_as_cockpit_does():

@@ -27,10 +27,10 @@ class Top1MoE(nn.Module):
     ``index_add_``, weighted by the router's probability. Every expert is called, on no rows
     where none is routed to it."""
 
-    def __init__(self):
+    def __init__(self, experts=EXPERTS):
         super().__init__()
-        self.router = nn.Linear(WIDTH, EXPERTS)
-        self.experts = nn.ModuleList(_expert() for _ in range(EXPERTS))
+        self.router = nn.Linear(WIDTH, experts)
+        self.experts = nn.ModuleList(_expert() for _ in range(experts))
 
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])
@@ -56,6 +56,23 @@ class Top2MoE(Top1MoE):
             mask = chosen.any(-1)
             gate = (gates * chosen).sum(-1)[mask]
             out.index_put_((mask.nonzero().squeeze(1),), gate[:, None] * expert(rows[mask]), accumulate=True)
+        return out.reshape(x.shape)
+
+
+class SkippingTop1MoE(Top1MoE):
+    """Many experts, each called only where some row is routed to it (as Hugging Face's Mixtral
+    calls them): at a step, the backward pass reaches none of the others' parameters."""
+
+    def __init__(self):
+        super().__init__(experts=24)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        gate, choice = self.router(rows).softmax(-1).max(-1)
+        out = torch.zeros_like(rows)
+        for e in choice.unique().tolist():
+            index = (choice == e).nonzero().squeeze(1)
+            out = out.index_add(0, index, gate[index, None] * self.experts[e](rows[index]))
         return out.reshape(x.shape)
 
 
@@ -129,6 +146,7 @@ MODULE_LOCAL = {  # every parameter served module-local, the experts' and MLP's 
     "flat_rows_mlp": _entry(FlatRowsMLP),
     "flat_rows_mlp_of_features": _entry(lambda: FlatRowsMLP(embedded=False), tokens=False),  # sample-major guessed
 }
+SKIPPING = {"moe_skipping_experts": _entry(lambda: MoEClassifier(SkippingTop1MoE()))}
 WHOLE_GRAPH = {  # the experts' or MLP's rows cannot be told apart: the whole graph
     "moe_gathered": _entry(lambda: MoEClassifier(GatheredMoE())),
     "flat_rows_mlp_time_major": _entry(lambda: FlatRowsMLP(embedded=False, time_major=True), tokens=False),
@@ -137,7 +155,7 @@ WHOLE_GRAPH = {  # the experts' or MLP's rows cannot be told apart: the whole gr
 
 @pytest.fixture(autouse=True)
 def filed(monkeypatch):
-    for name, entry in {**MODULE_LOCAL, **WHOLE_GRAPH}.items():
+    for name, entry in {**MODULE_LOCAL, **SKIPPING, **WHOLE_GRAPH}.items():
         monkeypatch.setitem(any_models.MODELS, name, entry)
 
 
@@ -203,13 +221,14 @@ def _steps(name, dtype):
                 output["GradHist1d"]["hist"], expected["GradHist1d"], [g.flatten()], [output["GradHist1d"]["edges"]],
                 slack=0 if dtype == torch.float64 else 1,
             )
-    return cockpit, model, [str(w.message) for w in caught if "whole-graph route" in str(w.message)]
+    unreached = [str(w.message) for w in caught if "got no gradient" in str(w.message)]
+    return cockpit, model, [str(w.message) for w in caught if "whole-graph route" in str(w.message)], unreached
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(MODULE_LOCAL))
 def test_rows_regrouped_by_sample_over_steps_whose_routing_changes(name, dtype):
-    cockpit, model, whole_graph = _steps(name, dtype)
+    cockpit, model, whole_graph, _ = _steps(name, dtype)
     assert not whole_graph
     routes = cockpit.routes()
     assert "whole graph" not in routes.values(), routes
@@ -219,9 +238,26 @@ def test_rows_regrouped_by_sample_over_steps_whose_routing_changes(name, dtype):
 
 @pytest.mark.parametrize("name", list(WHOLE_GRAPH))
 def test_rows_the_graph_does_not_tell_apart_take_the_whole_graph(name):
-    cockpit, model, whole_graph = _steps(name, torch.float64)
+    cockpit, model, whole_graph, _ = _steps(name, torch.float64)
     assert whole_graph
     routes = cockpit.routes()
     # (An expert routed no rows at the last step is exact module-local: no sample, zero gradients.)
     whole = {key for key, route in routes.items() if route == "whole graph"}
     assert whole and whole <= _regrouped(model), routes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_experts_no_row_chose_have_zero_gradients_said_once(dtype):
+    # Before: every per-sample quantity raised "was not computed for parameters [...]", GradNorm
+    # and Alpha "the mini-batch gradient was not computed".
+    test_any_model._check_quantities("moe_skipping_experts", dtype, "plain")  # (the collector raises, as the original)
+    cockpit, model, whole_graph, unreached = _steps("moe_skipping_experts", dtype)
+    assert not whole_graph
+    routes = cockpit.routes()
+    skipped = {key for key, route in routes.items() if route == "not reached"}
+    assert skipped and skipped < _regrouped(model), routes
+    assert len(unreached) == 1 and "got no gradient" in unreached[0] and "moe.experts." in unreached[0]
+
+
+def test_alpha_with_experts_no_row_chose_matches_the_oracle():
+    test_any_model.test_alpha_and_two_step_quantities_match_the_oracle("moe_skipping_experts")
