@@ -33,7 +33,7 @@ import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
 from cockpit_fast.fsdp import gathered, is_sharded
-from cockpit_fast.per_sample.grads import DenseGrads, FactoredGrads, Kept, held_bytes
+from cockpit_fast.per_sample.grads import DenseGrads, Kept, ZeroGrads, held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
@@ -628,34 +628,34 @@ class StepStatistics:
         yield from self._merged(waiting, grads)
 
     def _merged(self, statistics, grads=None):
+        zeros = {}  # (index, micro-batch) -> {statistic: value} of zero gradients, every statistic at once
         for statistic in statistics:
             parts = {**dict.fromkeys(range(len(self.params)), {}), **self._parts.pop(statistic, {})}
             for index, values in sorted(parts.items()):
                 if not statistic.once_a_step or not values:
-                    values = {**self._of_zeros(statistic, index, values.keys(), grads), **values}
+                    values = {**self._of_zeros(statistic, index, values.keys(), grads, statistics, zeros), **values}
                 if not values:  # no micro-batch held samples: per_param() says so
                     continue
                 values = [values[batch] for batch in sorted(values)]
                 yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
 
-    def _of_zeros(self, statistic, index, reached, grads):
+    def _of_zeros(self, statistic, index, reached, grads, statistics, zeros):
         """``{micro-batch: value}`` of ``statistic`` for the micro-batches whose backward passes did
         not reach parameter ``index`` (a branch one of them skips, an expert none of its tokens
         chose, on this rank or on every rank): their samples' gradients are zeros, which one
         backward pass over the step's batch would count too (in the histograms, as per-sample
-        norms and products)."""
+        norms and products). Computed with every one of ``statistics`` into ``zeros``
+        (:meth:`_merged`'s), once a parameter and micro-batch."""
         param = self.params[index]
         missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
         if statistic.once_a_step:  # what it reads was kept before this step: one value
             missing = missing[:1]
         values = {}
         for batch in missing:
-            n = self._sizes[batch]
-            zeros = FactoredGrads(torch.zeros(n, 1, 1, dtype=param.dtype, device=param.device),
-                                  torch.zeros(n, 1, param.numel(), dtype=param.dtype, device=param.device), param.shape)
-            grad = None if grads is None else grads[index]
-            computed = compute_statistics(index, param.detach(), zeros, {statistic}, grad, self.route, self.batch_size or self.samples)
-            values[batch] = computed[statistic]
+            if (index, batch) not in zeros:
+                form, grad = ZeroGrads(self._sizes[batch], param), None if grads is None else grads[index]
+                zeros[index, batch] = compute_statistics(index, param.detach(), form, statistics, grad, self.route, self.batch_size or self.samples)
+            values[batch] = zeros[index, batch][statistic]
         return values
 
 

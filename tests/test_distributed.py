@@ -86,11 +86,13 @@ def test_a_rank_past_max_kept_bytes_skips_the_quantities_that_wait_on_every_rank
             )
 
 
+@pytest.mark.parametrize("taken", [3, 0])
 @pytest.mark.parametrize("quantities, optimizer", [("first_order", "sgd"), ("alpha_adam", "adam")])
-def test_a_parameter_one_rank_does_not_reach_counts_its_samples_as_zeros(quantities, optimizer, tmp_path):
-    # A branch only rank 0's samples take: rank 1's backward pass never reaches it (DDP with
-    # find_unused_parameters); one backward pass over the global batch counts their zeros.
-    config = {"model": "branch", "quantities": quantities, "optimizer": optimizer, "steps": STEPS, "branch_samples": 3}
+def test_a_parameter_one_rank_does_not_reach_counts_its_samples_as_zeros(quantities, optimizer, taken, tmp_path):
+    # A branch only rank 0's samples take (taken = 3), or none (0): rank 1's backward pass never
+    # reaches it (DDP with find_unused_parameters), or no rank's does; one backward pass over the
+    # global batch counts their zeros. (Before, with 0: "not computed for parameters".)
+    config = {"model": "branch", "quantities": quantities, "optimizer": optimizer, "steps": STEPS, "branch_samples": taken}
     expected = _one_process(config, 8)
     for rank, result in enumerate(run_group([3, 5], config, tmp_path)):
         assert sorted(result["output"]) == sorted(expected)

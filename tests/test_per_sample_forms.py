@@ -8,7 +8,7 @@ from torch import nn
 from cockpit_fast import per_sample
 from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
 from cockpit_fast.per_sample import Capture, ConvGrads, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
-from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads
+from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads, ZeroGrads
 from conftest import values_near_edges
 
 ROUTES = ["auto", "factors", "grad_batch"]
@@ -38,6 +38,7 @@ def _forms(dtype):
         "dense": DenseGrads(randn(n, 5, 7)),
         "conv": ConvGrads(randn(n, 2, 7, 6), randn(n, 4, 3, 4), (4, 2, 3, 3), (2, 1), (1, 1), 1),
         "conv_groups": ConvGrads(randn(n, 4, 6, 6), randn(n, 6, 4, 2), (6, 2, 3, 2), (1, 2), (1, 2), 2),
+        "zeros": ZeroGrads(n, randn(4, 3, 2)),  # a parameter no backward pass of a micro-batch reached
     }
 
 
@@ -61,6 +62,8 @@ def _explicit(name, form):
         return torch.stack(grads)
     if isinstance(form, HookedGrads):
         return _explicit(name, form.form).clamp(-0.3, 0.3)
+    if isinstance(form, ZeroGrads):
+        return torch.zeros(form.batch_size, *form.shape, dtype=form.zero.dtype)
     return form.values
 
 
@@ -76,7 +79,7 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
     n = form.batch_size
     param = torch.randn(form.shape, dtype=dtype)
     direction = torch.randn(form.shape, dtype=dtype)
-    largest = float((n * dense).abs().max())
+    largest = float((n * dense).abs().max()) or 1.0
     hist1d, hist2d = Hist1d(13, (-0.6 * largest, 0.5 * largest)), Hist2d((5, 4), ((-0.5 * largest, 0.7 * largest), (-1, 1)))
     requests = {BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, Projection("test", "d", lambda hot: direction), hist1d, hist2d}
     if not sum_grad_squared:  # the squared norms then come with the histogram and the dot products
@@ -98,7 +101,7 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
     rows = stats_rows(form, [1.0, 3.0])
     torch.testing.assert_close(rows, stats_rows(DenseGrads(dense), [1.0, 3.0]), rtol=rtol, atol=1e-12)
     row_dots = form.row_dots(direction)  # closed forms only: the factored ones whose rows are the left factor's
-    assert (row_dots is not None) == (isinstance(form, FactoredGrads) and form.shape[0] == form.left_size)
+    assert (row_dots is not None) == (isinstance(form, FactoredGrads) and form.shape[0] == form.left_size or name == "zeros")
     if row_dots is not None:
         expected = (dense * direction).flatten(2).sum(2)
         torch.testing.assert_close(row_dots, expected, rtol=rtol, atol=rtol * float(expected.abs().max()) + 1e-12)

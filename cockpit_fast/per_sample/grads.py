@@ -478,6 +478,55 @@ class RowGrads(PerSampleGrads):
         return touched + self.batch_size * all_zero - touched_zero
 
 
+class ZeroGrads(PerSampleGrads):
+    """N zero gradients of a parameter of ``shape`` (one no backward pass of a micro-batch
+    reached): every statistic in closed form, nothing formed (an unchosen expert costs what its
+    histogram's one zero does)."""
+
+    keepable = True
+
+    def __init__(self, batch_size, param):
+        self.batch_size, self.shape = batch_size, param.shape
+        self.zero = torch.zeros((), dtype=param.dtype, device=param.device)  # (a tensor: moved with a kept form)
+
+    def _zeros(self, *shape, accumulated=True):
+        dtype = accumulation_dtype(self.zero.dtype) if accumulated else self.zero.dtype
+        return self.zero.new_zeros(shape, dtype=dtype)
+
+    @cached_property
+    def grad(self):
+        return self._zeros(*self.shape, accumulated=False)
+
+    def dense_range(self, start, stop):
+        return self._zeros(stop - start, *self.shape, accumulated=False)
+
+    def magnitude(self):
+        return self.grad
+
+    def batch_l2(self, force=False):
+        return self._zeros(self.batch_size)
+
+    def sum_grad_squared(self):
+        return self._zeros(*self.shape)
+
+    def dot(self, direction):
+        return self._zeros(self.batch_size)
+
+    def row_dots(self, direction):
+        return self._zeros(self.batch_size, self.shape[0]) if self.shape else None
+
+    def abs_max(self, scale):
+        return self._zeros()
+
+    def hist1d(self, bins, range, scale):
+        zero = ops.hist1d(self._zeros(1, 1, accumulated=False), bins, range, scale)
+        return self.batch_size * math.prod(self.shape) * zero
+
+    def hist2d(self, param, bins, range, scale):
+        param = param.detach()
+        return self.batch_size * ops.hist2d(param.new_zeros(1, *self.shape), param, bins, range, scale)
+
+
 class SummedGrads(PerSampleGrads):
     """The per-sample gradients of a parameter used several times: the sum of each use's form."""
 
@@ -612,7 +661,7 @@ class Kept:
     :class:`DenseGrads`).
     """
 
-    FORMS = {cls.__name__: cls for cls in (DenseGrads, FactoredGrads, RowGrads, SummedGrads, ScaledGrads)}
+    FORMS = {cls.__name__: cls for cls in (DenseGrads, FactoredGrads, RowGrads, SummedGrads, ScaledGrads, ZeroGrads)}
     """The forms a :meth:`state` names: those kept (:attr:`~PerSampleGrads.keepable` ones, formed)."""
 
     def __init__(self, forms):
