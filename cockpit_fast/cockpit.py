@@ -396,12 +396,18 @@ class Cockpit:
             "streamed": None if self._stream is None else {"path": self._stream.path, "through": self._stream.last_step},
         }
 
+    @property
+    def rank(self):
+        """This process's rank in the cockpit's process group (0 without one)."""
+        return 0 if self.process_group is None else torch.distributed.get_rank(self.process_group)
+
+    @property
+    def world_size(self):
+        """How many processes the cockpit's process group holds (1 without one)."""
+        return 1 if self.process_group is None else torch.distributed.get_world_size(self.process_group)
+
     def _process(self):
-        """This process's rank and the number of processes in the cockpit's group."""
-        group = self.process_group
-        if group is None:
-            return {"rank": 0, "world_size": 1}
-        return {"rank": torch.distributed.get_rank(group), "world_size": torch.distributed.get_world_size(group)}
+        return {"rank": self.rank, "world_size": self.world_size}
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` into this cockpit, made with the same quantities in the same
@@ -481,7 +487,7 @@ class Cockpit:
         """``"_rank<r>"`` where every process writes its own files (``log_all_ranks`` under
         ``torch.distributed``), else ``""``."""
         if self.process_group is not None and self.log_all_ranks:
-            return f"_rank{torch.distributed.get_rank(self.process_group)}"
+            return f"_rank{self.rank}"
         return ""
 
     def write(self, logpath):

@@ -216,8 +216,8 @@ def lightning_callback(base, module):
                 return {"cockpit": state}
             # Lightning asks every process and saves rank 0's: every process's own state,
             # gathered there ({rank: state}; each other process's holds its own).
-            rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-            states = [None] * size if rank == 0 else None
+            rank = self.cockpit.rank
+            states = [None] * self.cockpit.world_size if rank == 0 else None
             torch.distributed.gather_object(state, states, dst=torch.distributed.get_global_rank(group, 0), group=group)
             return {"cockpit_by_rank": dict(enumerate(states)) if rank == 0 else {rank: state}}
 
@@ -238,10 +238,10 @@ def lightning_callback(base, module):
                 self._restore(state_dict)
 
         def _restore(self, state_dict):
-            state, group = state_dict.get("cockpit"), self.cockpit.process_group
+            state = state_dict.get("cockpit")
             if "cockpit_by_rank" in state_dict:  # its rank's, else rank 0's (the cockpit refuses that where it cannot be)
-                states, rank = state_dict["cockpit_by_rank"], 0 if group is None else torch.distributed.get_rank(group)
-                state = states.get(rank, states.get(0))
+                states = state_dict["cockpit_by_rank"]
+                state = states.get(self.cockpit.rank, states.get(0))
             self.cockpit.load_state_dict(state)
 
     CockpitCallback.__module__, CockpitCallback.__qualname__ = module, "CockpitCallback"

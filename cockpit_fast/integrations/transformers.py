@@ -40,7 +40,7 @@ def state_file(cockpit):
     several track (their states differ, see :meth:`~cockpit_fast.Cockpit.state_dict`)."""
     if cockpit.process_group is None:
         return STATE_FILE
-    return f"cockpit_state_rank{torch.distributed.get_rank(cockpit.process_group)}.pt"
+    return f"cockpit_state_rank{cockpit.rank}.pt"
 
 
 class CockpitCallback(TrainerCallback):
