@@ -4,6 +4,7 @@ from the trainer's checkpoint; against float64 per-sample gradients from torch.f
 
 import copy
 import csv
+import json
 import warnings
 from pathlib import Path
 
@@ -193,6 +194,22 @@ def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_
         for name in ("NormTest", "InnerTest", "Distance", "Alpha", "UpdateSize", "Loss"):
             if name in expected[step]:  # (Alpha and UpdateSize of the last step come one step later)
                 assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5), (step, name)
+
+
+def test_each_fit_that_does_not_resume_is_a_run_of_its_own(tmp_path):
+    # Before: a second fit() with the callback overwrote the first run's steps and log (a new
+    # module's: "no backward pass reached the tracked parameters").
+    x, y = _data(8)  # one optimizer step per epoch
+    callback, _ = _fit(_Classifier(lr=0.1), "economy", x, y, tmp_path, max_epochs=2)
+    first, first_log = callback.cockpit, (tmp_path / "cockpit.json").read_text()
+    with pytest.warns(UserWarning, match=r"fit\(\) again, not resuming the last run: .*cockpit_run1.json"):
+        _fit(_Classifier(lr=0.1), "economy", x, y, tmp_path, callback=callback, max_epochs=2)
+    assert callback.earlier_cockpits == [first] and callback.cockpit is not first
+    assert (tmp_path / "cockpit.json").read_text() == first_log
+    assert sorted(json.loads((tmp_path / "cockpit_run1.json").read_text())) == ["0", "1"]
+    before, after = first.get_output(), callback.cockpit.get_output()
+    for step in (0, 1):  # the same module again (its seed): the same run
+        assert after[step]["NormTest"] == pytest.approx(before[step]["NormTest"], rel=1e-6), step
 
 
 class _Validated(_Classifier):

@@ -126,6 +126,35 @@ def test_the_callback_writes_the_log_and_dashboard_and_logs_through_the_trainer(
     assert set(callback.cockpit.get_output()) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("made_by", ["model", "model_init"])
+def test_each_train_that_does_not_resume_is_a_run_of_its_own(tmp_path, made_by):
+    # Before: a second train() overwrote the first run's steps and log; with model_init (a new
+    # model each train(), as hyperparameter_search's trials) it raised "no backward pass reached".
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES, max_steps=3, learning_rate=1e-2,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
+    )
+    callback = CockpitCallback("economy", logpath=str(tmp_path / "cockpit"))
+    model = {"model": _gpt2(), "model_init": None}[made_by]
+    trainer = transformers.Trainer(model=model, model_init=_gpt2 if model is None else None, args=args,
+                                   train_dataset=_Sequences(), callbacks=[callback])
+    trainer.train()
+    first_log = (tmp_path / "cockpit.json").read_text()
+    first = callback.cockpit
+    with pytest.warns(UserWarning, match=r"train\(\) again, not resuming the last run: .*cockpit_run1.json"):
+        trainer.train()
+    assert callback.earlier_cockpits == [first] and callback.cockpit is not first
+    assert (tmp_path / "cockpit.json").read_text() == first_log
+    second_log = json.loads((tmp_path / "cockpit_run1.json").read_text())
+    assert sorted(second_log) == ["0", "1", "2"] and (tmp_path / "cockpit_run1__primary.png").exists()
+    before, after = first.logged_output(), callback.cockpit.logged_output()
+    for step in range(3):
+        if made_by == "model_init":  # the same model again (its seed): the same run
+            assert after[step]["NormTest"] == pytest.approx(before[step]["NormTest"], rel=1e-6), step
+        else:  # the trained model trains on
+            assert after[step]["Loss"] < before[step]["Loss"], step
+
+
 def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one(tmp_path):
     economy = "economy"
     whole, _ = _train(_gpt2(), tmp_path / "whole", 2, economy, steps=4)

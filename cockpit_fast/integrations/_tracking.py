@@ -117,6 +117,41 @@ def latest_scalars(cockpit, output, per_parameter=False):
     return records(latest, parameter_names(cockpit), per_parameter)[0]
 
 
+class Runs:
+    """The runs a trainer callback tracks: each ``train()``/``fit()`` that does not resume the last
+    run (a second one, a hyperparameter search's trial, a new model) is a run of its own, with
+    its own cockpit and log (``logpath + "_run<k>"`` after the first); the earlier runs'
+    cockpits stay in :attr:`earlier`."""
+
+    def __init__(self, logpath):
+        self.base_logpath = logpath
+        self.earlier = []
+
+    @property
+    def logpath(self):
+        """The log of the current run."""
+        runs = len(self.earlier)
+        return self.base_logpath if self.base_logpath is None or not runs else f"{self.base_logpath}_run{runs}"
+
+    def next(self, cockpit, model, resumed, started):
+        """Whether a run starting on ``model`` (``resumed``: from a checkpoint) needs a new cockpit
+        instead of ``cockpit`` (None: none yet); if so ``cockpit`` joins :attr:`earlier`, with a
+        warning naming the new run's log. ``started``: the call that starts it, for the warning."""
+        if cockpit is None:
+            return True
+        held = {id(p) for p in model.parameters()}
+        if resumed and all(id(p) in held for p in cockpit.params):  # the same run, going on
+            return False
+        self.earlier.append(cockpit)
+        log = "" if self.logpath is None else f", its log goes to {self.logpath}.json"
+        warnings.warn(
+            f"CockpitCallback: {started} again, not resuming the last run: a new cockpit tracks this run{log}; "
+            "the earlier runs' cockpits stay in callback.earlier_cockpits",
+            stacklevel=4,
+        )
+        return True
+
+
 def write_results(cockpit, logpath, plot):
     """The cockpit's log (``logpath + '.json'``) and dashboard (beside it) at the end of training."""
     if logpath is None:
@@ -160,14 +195,15 @@ def lightning_callback(base, module):
             self.quantities, self.logpath, self.plot, self.per_parameter = quantities, logpath, plot, per_parameter
             self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
             self.cockpit = None
+            self._runs = Runs(logpath)
             self._steps = self._logger = None
             self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
             self._stage = None  # the trainer's stage ("fit", "validate", ...) from setup to teardown
 
         def on_fit_start(self, trainer, pl_module):
             # (Not in setup(): configure_model, after it, may shard the parameters, FSDP2's fully_shard.)
-            if self.cockpit is None:
-                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes, self.logpath)
+            if self._runs.next(self.cockpit, pl_module, self._restored is not None, "fit()"):
+                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes, self._runs.logpath)
                 self._steps = TrainerSteps(self.cockpit)
                 # pl_module.log reaches every logger of the trainer, at the step being taken.
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731
@@ -202,7 +238,12 @@ def lightning_callback(base, module):
 
         def on_train_end(self, trainer, pl_module):
             self._steps.abandon()
-            write_results(self.cockpit, self.logpath, self.plot)
+            write_results(self.cockpit, self._runs.logpath, self.plot)
+
+        @property
+        def earlier_cockpits(self):
+            """The cockpits of the runs before this one (each ``fit()`` not resuming the last)."""
+            return self._runs.earlier
 
         def on_exception(self, trainer, pl_module, exception):
             if self._steps is not None:

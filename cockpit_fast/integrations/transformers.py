@@ -13,7 +13,10 @@ parameter's too with ``per_parameter=True``; every tracked step is in the cockpi
 the cockpit's log and dashboard are written to ``logpath``. The cockpit's state is saved in each
 checkpoint the trainer writes (``cockpit_state.pt``; under ``torchrun`` each process's own,
 ``cockpit_state_rank<r>.pt``, as the trainer's random states) and restored when it resumes from
-one (``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``.
+one (``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``. Each
+``train()`` that does not resume (a second one, each trial of ``hyperparameter_search``, a new
+model from ``model_init``) is a run of its own: a new cockpit tracks it, its log goes to
+``logpath + "_run<k>"``, and the earlier runs' cockpits stay in ``callback.earlier_cockpits``.
 
 Where the model does not take ``num_items_in_batch`` (its ``forward`` has no ``**kwargs``), the
 trainer divides each micro-batch's loss by the micro-batches of the step (fewer in an epoch's
@@ -28,7 +31,14 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from cockpit_fast.integrations._tracking import TrainerSteps, latest_scalars, make_cockpit, sample_losses, write_results
+from cockpit_fast.integrations._tracking import (
+    Runs,
+    TrainerSteps,
+    latest_scalars,
+    make_cockpit,
+    sample_losses,
+    write_results,
+)
 
 STATE_FILE = "cockpit_state.pt"
 """The cockpit's state in each checkpoint folder the trainer writes, restored when it resumes
@@ -62,19 +72,23 @@ class CockpitCallback(TrainerCallback):
         self.quantities, self.logpath, self.plot, self.max_kept_bytes = quantities, logpath, plot, max_kept_bytes
         self.per_parameter = per_parameter
         self.cockpit = None
+        self._runs = Runs(logpath)
         self._steps = self._hook = self._trainer = self._args = None
         self._logging = False  # inside our own trainer.log: its on_log is ours to pass
         self._logged_through = None  # the newest tracked step logged
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.cockpit is None:
-            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes, self.logpath)
-            self._steps = TrainerSteps(self.cockpit)
+        self._trainer, resumed_from = _calling_trainer()
+        if self._runs.next(self.cockpit, model, resumed_from is not None, "train()"):
+            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes, self._runs.logpath)
+            self._steps, self._logged_through = TrainerSteps(self.cockpit), None
+            if self._hook is not None:  # on the last run's model
+                self._hook.remove()
+                self._hook = None
         if self._hook is None:
             # Bookkeeping, hidden from torch.compile (torch_compile=True inlines the model's hooks).
             self._hook = model.register_forward_hook(torch.compiler.disable(self._micro_batch), with_kwargs=True)
         self._args = args
-        self._trainer, resumed_from = _calling_trainer()
         if resumed_from is not None:
             self._restore(resumed_from)
 
@@ -146,7 +160,12 @@ class CockpitCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        write_results(self.cockpit, self.logpath, self.plot)
+        write_results(self.cockpit, self._runs.logpath, self.plot)
+
+    @property
+    def earlier_cockpits(self):
+        """The cockpits of the runs before this one (each ``train()`` not resuming the last)."""
+        return self._runs.earlier
 
 
 def _calling_trainer():
