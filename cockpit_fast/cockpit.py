@@ -13,7 +13,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics
+from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics, zero_grad
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, reduce_step, resolve_group
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
@@ -759,7 +759,7 @@ class _TrackedBackward:
             keyed = {id(plan.params[index]): grad for index, grad in grads.items()}
             only_pass = last and not self._statistics.micro_batches and plan.group is None and self._grads is not None
             final = {index: grad.detach() for index, grad in grads.items()} if only_pass else None
-            self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale), final)
+            self._statistics.add(cockpit._engine.end(step, keyed, unscale=plan.unscale), final, graded=set(grads))
         if self._reads_micro:
             self._given = self._given._replace(
                 squared_norms=[grads[i].double().square().sum() if i in grads else None for i in range(len(plan.params))]
@@ -812,11 +812,12 @@ class _TrackedBackward:
         local_grads = self._total
         stats = self._statistics
         grads = None  # param.grad, where the step's gradients were not captured
+        reads = any(q.reads_batch(plan.global_step) for q in cockpit.quantities)  # (else nothing to say)
         if plan.group is None and self._grads is not None:
             # A parameter no backward pass reached (an expert no token chose): its gradient is zero.
-            grads = [local_grads[i].detach() if i in local_grads else torch.zeros_like(p.detach()) for i, p in enumerate(plan.params)]
-            cockpit._say_unreached(plan.global_step, [i for i in range(len(plan.params)) if i not in local_grads])
-        elif plan.group is None:
+            grads = [local_grads[i].detach() if i in local_grads else zero_grad(p) for i, p in enumerate(plan.params)]
+            cockpit._say_unreached(plan.global_step, [i for i in range(len(plan.params)) if reads and i not in local_grads])
+        elif plan.group is None and reads:
             without = [i for i, p in enumerate(plan.params) if p.grad is None]
             cockpit._say_unreached(plan.global_step, without if len(without) < len(plan.params) else [])
         info = _combined_info(plan, self._ended, None if stats is None else stats.samples) if self._micro else None

@@ -42,8 +42,9 @@ cheaper than forming the gradients; ``"factors"``, its closed forms wherever it 
 
 
 WRAPPED_LATER = (
-    "(A model wrapped after the cockpit was made, by FSDP1 or anything else that replaces its parameters, "
-    "computes with other tensors: make the cockpit from the wrapped model's parameters)"
+    "(A forward pass that used none of them, an expert no token chose, gives them no gradient: track parameters "
+    "that every step uses too. A model wrapped after the cockpit was made, by FSDP1 or anything else that "
+    "replaces its parameters, computes with other tensors: make the cockpit from the wrapped model's parameters)"
 )
 """Why tracked parameters may get no gradient although the model ran: the errors saying so end with it."""
 
@@ -433,8 +434,10 @@ class StepContext(_InfoReader):
         missing = [i for i in range(len(self.params)) if i not in values]
         if missing:
             raise RuntimeError(
-                f"{statistic!r} was not computed for parameters {missing}: they got no gradient in this "
-                "backward pass (not used in the forward pass, or used before the cockpit was made)"
+                f"{statistic!r} was not computed for parameters {missing}: the backward pass gave them a gradient "
+                "but the per-sample engine no per-sample gradients (used outside the module calls it watched: "
+                "read by a module that does not own them, or in a forward pass made before the cockpit); with "
+                "info['individual_losses'] they take the whole graph"
             )
         return [values[i] for i in range(len(self.params))]
 
@@ -452,7 +455,7 @@ class StepContext(_InfoReader):
                 f"in the forward pass? {WRAPPED_LATER}"
             )
         # One no backward pass reached (an expert no token chose) has a zero gradient.
-        grads = [torch.zeros_like(p.detach()) if p.grad is None else p.grad.detach() for p in self.params]
+        grads = [zero_grad(p) if p.grad is None else p.grad.detach() for p in self.params]
         return grads if self.unscale == 1.0 else [g * self.unscale for g in grads]
 
     def flat_grad(self):
@@ -481,6 +484,12 @@ class StepContext(_InfoReader):
         if name in self._curvatures:
             return self._curvatures[name]
         return [getattr(p, name).detach() for p in self.params]
+
+
+def zero_grad(param):
+    """The gradient of a parameter no backward pass reached: zeros, broadcast from one (a step
+    with hundreds of unchosen experts allocates nothing for them)."""
+    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
 
 
 def flatten(tensors):
@@ -520,9 +529,10 @@ class StepStatistics:
         self._parts = defaultdict(lambda: defaultdict(dict))  # statistic -> index -> {micro-batch: value}
         self._kept = []  # (micro-batch, [(index, param, form)]) of each micro-batch, for self._at_end
         self._sizes = []  # samples of each micro-batch
-        self.reached = set()  # indices of the parameters some micro-batch's backward pass reached
+        self.reached = set()  # indices of the parameters some micro-batch's backward pass gave a gradient
+        self._graded = []  # of each micro-batch, the indices its backward pass gave a gradient
         self._complete = None  # of those, the ones every micro-batch's reached (None: no micro-batch yet)
-        self.anywhere = self.reached  # of those some rank's backward passes reached (agree())
+        self.anywhere = self.reached  # those some rank's backward passes reached (agree())
         self.kept_bytes = 0  # what the kept forms hold (reported by benchmarks/bench_training_loops.py)
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
         self.samples = 0  # samples of the micro-batches so far
@@ -533,21 +543,25 @@ class StepStatistics:
         """The statistics dropped for the step (none unless :attr:`dropped`)."""
         return self._at_end if self.dropped else set()
 
-    def add(self, forms, grads=None):
+    def add(self, forms, grads=None, graded=None):
         """One micro-batch's per-sample gradients, ``{id(param): form}``.
 
         ``grads`` (indexed like the parameters): the step's gradient, where this micro-batch is
         the step's only one and nothing reduces its gradient later. Then every statistic is
         computed now, those that read the gradient in the same pass over each form as the rest
-        (later, a dot product with factors costs a weight-gradient product)."""
+        (later, a dot product with factors costs a weight-gradient product).
+
+        ``graded``: the indices of the parameters this micro-batch's backward pass gave a gradient
+        (by default those with a form). One it did not reach has zero gradients for its samples
+        (:meth:`_merged`); one it reached without a form has no statistics (:meth:`StepContext.per_param` says so)."""
         batch = self.micro_batches
         self.micro_batches += 1
-        # Not used by this backward pass: its samples' gradients are zeros (_merged).
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
-        self.reached.update(index for index, _, _ in found)
+        here = {index for index, _, _ in found} if graded is None else set(graded)
+        self._graded.append(here)
+        self.reached.update(here)
         if self._sizes[-1]:
-            here = {index for index, _, _ in found}
             self._complete = here if self._complete is None else self._complete & here
         self.samples += self._sizes[-1]
         if grads is not None:
@@ -631,11 +645,12 @@ class StepStatistics:
         zeros = {}  # (index, micro-batch) -> {statistic: value} of zero gradients, every statistic at once
         for statistic in statistics:
             parts = {**dict.fromkeys(range(len(self.params)), {}), **self._parts.pop(statistic, {})}
+            with_samples = {batch for batch, size in enumerate(self._sizes) if size}
             for index, values in sorted(parts.items()):
                 if not statistic.once_a_step or not values:
                     values = {**self._of_zeros(statistic, index, values.keys(), grads, statistics, zeros), **values}
-                if not values:  # no micro-batch held samples: per_param() says so
-                    continue
+                if not values or not statistic.once_a_step and not with_samples <= set(values):
+                    continue  # a micro-batch gave it a gradient but no form: per_param() says so
                 values = [values[batch] for batch in sorted(values)]
                 yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
 
@@ -646,17 +661,23 @@ class StepStatistics:
         backward pass over the step's batch would count too (in the histograms, as per-sample
         norms and products). Computed with every one of ``statistics`` into ``zeros``
         (:meth:`_merged`'s), once a parameter and micro-batch."""
-        param = self.params[index]
-        missing = [batch for batch, size in enumerate(self._sizes) if size and batch not in reached]
-        if statistic.once_a_step:  # what it reads was kept before this step: one value
-            missing = missing[:1]
+        param, grad = self.params[index], None if grads is None else grads[index]
+        missing = [
+            batch for batch, size in enumerate(self._sizes) if size and batch not in reached and index not in self._graded[batch]
+        ]
+        if statistic.once_a_step:  # what it reads was kept before this step: one value, computed alone
+            form = ZeroGrads(self._sizes[missing[0]], param) if missing else None
+            return {} if form is None else {missing[0]: self._of_form(index, param, form, {statistic}, grad)[statistic]}
         values = {}
         for batch in missing:
             if (index, batch) not in zeros:
-                form, grad = ZeroGrads(self._sizes[batch], param), None if grads is None else grads[index]
-                zeros[index, batch] = compute_statistics(index, param.detach(), form, statistics, grad, self.route, self.batch_size or self.samples)
+                each = {s for s in statistics if not s.once_a_step}
+                zeros[index, batch] = self._of_form(index, param, ZeroGrads(self._sizes[batch], param), each, grad)
             values[batch] = zeros[index, batch][statistic]
         return values
+
+    def _of_form(self, index, param, form, statistics, grad):
+        return compute_statistics(index, param.detach(), form, statistics, grad, self.route, self.batch_size or self.samples)
 
 
 def compute_statistics(index, param, form, statistics, grad=None, route="auto", batch_size=None):

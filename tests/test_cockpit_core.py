@@ -444,3 +444,35 @@ def test_quantities_without_per_sample_statistics_leave_the_forward_pass_alone()
     assert len(torch_module._global_forward_hooks) == before
     cp.add(fast_quantities.NormTest(fast_schedules.linear(1)))  # watches the calls from now on
     assert len(torch_module._global_forward_hooks) == before + 1
+
+
+def test_a_parameter_with_a_gradient_but_no_per_sample_gradients_is_an_error_not_zeros():
+    # A tensor no module owns, read by a plain function, without the individual losses: its
+    # gradient is not zero (a first version of the zero gradients counted it as zeros: NormTest
+    # 0.44 for 0.62).
+    torch.manual_seed(0)
+    lin, w = torch.nn.Linear(4, 3).double(), torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    cockpit = FastCockpit([w, *lin.parameters()], quantities=[fast_quantities.NormTest(fast_schedules.linear(1))])
+    loss = torch.nn.functional.cross_entropy(lin(torch.tanh(x @ w)), y)
+    with pytest.raises(RuntimeError, match=r"batch_l2 was not computed for parameters \[0\]: the backward pass gave them a gradient"):
+        with cockpit(0, info={"batch_size": 6, "loss": loss}):
+            loss.backward()
+
+
+def test_steps_no_quantity_tracks_say_nothing_of_parameters_without_gradient():
+    # Every step in a `with` block (as the trainer callbacks open one): the warning comes with the
+    # first step that computes something, naming what it counts as zeros.
+    torch.manual_seed(0)
+    model, unused = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    params = [*model.parameters(), *unused.parameters()]
+    cockpit = FastCockpit(params, quantities=[fast_quantities.NormTest(lambda step: step == 2)])
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            training_step(model, torch.optim.SGD(params, lr=0.1), batch, torch.nn.CrossEntropyLoss(reduction="none"),
+                          cockpit=cockpit, step=step)
+    said = [str(w.message) for w in caught if "got no gradient" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("[Step 2]"), said
+    assert sorted(cockpit.get_output()) == [2]

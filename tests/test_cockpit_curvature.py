@@ -88,3 +88,17 @@ def test_hess_max_ev_of_a_float64_model_is_the_hessians_largest_eigenvalue():
     hessian = torch.autograd.functional.hessian(loss_of, torch.cat([weight.flatten(), bias]))
     largest = torch.linalg.eigvalsh(hessian).max().item()
     assert cp.get_output()[0]["HessMaxEV"] == pytest.approx(largest, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["HessTrace", "TICDiag", "TICTrace", "HessMaxEV"])
+def test_curvature_of_a_parameter_no_backward_pass_reached_is_a_clear_error(name):
+    # Before: "call backpack.extend(model) and backpack.extend(loss_fn)" (both were) or
+    # "needs loss.backward(create_graph=...)" (it was).
+    torch.manual_seed(0)
+    model, unused = extend(torch.nn.Linear(5, 3)), torch.nn.Linear(5, 3)
+    loss_fn, individual = extend(torch.nn.CrossEntropyLoss()), torch.nn.CrossEntropyLoss(reduction="none")
+    params = [*model.parameters(), *unused.parameters()]
+    cockpit = FastCockpit(params, quantities=[getattr(fast_quantities, name)(fast_schedules.linear(1))])
+    batch = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match=r"no backward pass of step 0 reached (tracked )?parameters \[2, 3\]"):
+        training_step(model, torch.optim.SGD(params, lr=0.1), batch, individual, loss_fn=loss_fn, cockpit=cockpit)

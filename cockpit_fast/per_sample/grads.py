@@ -694,9 +694,7 @@ class Kept:
     def dot(self, direction):
         """(N,) ``<G_n, direction>``, from the gradients formed a chunk at a time: the same bits
         as from the same forms a resumed run restores (a closed form rounds its own way)."""
-        return torch.cat(
-            [ops.batch_dot(chunk.to(direction.dtype), direction) for form in self.forms for chunk in form.chunks()]
-        )
+        return torch.cat([dots for form in self.forms for dots in _chunk_dots(form, direction)])
 
     def state(self):
         """Each form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
@@ -723,6 +721,13 @@ class Kept:
             return item
 
         return cls(form(state))
+
+
+def _chunk_dots(form, direction):
+    """``<G_n, direction>`` of each chunk of ``form``'s gradients (zeros: none formed)."""
+    if isinstance(form, ZeroGrads):
+        return [direction.new_zeros(form.batch_size, dtype=accumulation_dtype(direction.dtype))]
+    return [ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in form.chunks()]
 
 
 def _form_of(kind, fields):

@@ -32,6 +32,13 @@ def diagonal_curvature(ctx, name, quantity):
     try:
         return ctx.curvature(name)
     except AttributeError:  # BackPACK writes its results as attributes of the parameters
+        unreached = [i for i, p in enumerate(ctx.params) if not hasattr(p, name) and p.grad is None]
+        if unreached and len(unreached) < len(ctx.params):
+            raise ValueError(
+                f"{type(quantity).__name__} needs BackPACK's {CURVATURE_EXTENSIONS[name].__name__} of every tracked "
+                f"parameter; no backward pass of step {ctx.global_step} reached parameters {unreached} (an expert no "
+                "token chose, a layer the forward pass skipped): track it over parameters every step uses"
+            ) from None
         raise ValueError(
             f"{type(quantity).__name__} needs BackPACK's {CURVATURE_EXTENSIONS[name].__name__} ('{name}'), "
             "which BackPACK did not compute for the tracked parameters: call backpack.extend(model) and "

@@ -38,6 +38,12 @@ class HessMaxEV(FastQuantity):
 
     def _compute(self, ctx):
         grads = ctx.differentiable_grads()
+        unreached = [i for i, p in enumerate(ctx.params) if p.grad is None] if ctx.group is None else []  # (ranks differ)
+        if unreached and len(unreached) < len(ctx.params):
+            raise ValueError(
+                f"HessMaxEV: no backward pass of step {ctx.global_step} reached tracked parameters {unreached} (an "
+                "expert no token chose, a layer the forward pass skipped): track it over parameters every step uses"
+            )
         if any(g is None for g in grads):
             raise RuntimeError("HessMaxEV needs loss.backward(create_graph=cockpit.create_graph(global_step))")
 
