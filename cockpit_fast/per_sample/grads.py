@@ -18,6 +18,7 @@ units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss,
 weights tied across modules).
 """
 
+import functools
 import math
 from functools import cached_property
 
@@ -519,12 +520,19 @@ class ZeroGrads(PerSampleGrads):
         return self._zeros()
 
     def hist1d(self, bins, range, scale):
-        zero = ops.hist1d(self._zeros(1, 1, accumulated=False), bins, range, scale)
+        zero = _zero_hist1d(bins, tuple(range), scale, self.zero.dtype, self.zero.device)
         return self.batch_size * math.prod(self.shape) * zero
 
     def hist2d(self, param, bins, range, scale):
         param = param.detach()
         return self.batch_size * ops.hist2d(param.new_zeros(1, *self.shape), param, bins, range, scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_hist1d(bins, range, scale, dtype, device):
+    """hist1d of one zero: the same for every unreached parameter of a step (an op call each costs
+    more than the rest of its statistics)."""
+    return ops.hist1d(torch.zeros(1, 1, dtype=dtype, device=device), bins, range, scale)
 
 
 class SummedGrads(PerSampleGrads):
