@@ -158,6 +158,12 @@ class Cockpit:
             stacklevel=5,
         )
 
+    def stop_watching(self):
+        """Stops recording the process's module calls, for a cockpit no step will use again (every
+        forward pass in the process pays a watching cockpit's hooks); its output stays readable."""
+        if self._engine is not None:
+            self._engine.watch(False)
+
     def create_graph(self, global_step):
         """Whether ``loss.backward`` must keep the graph at ``global_step``."""
         return any(q.create_graph(global_step) for q in self.quantities)

@@ -201,15 +201,39 @@ def test_each_fit_that_does_not_resume_is_a_run_of_its_own(tmp_path):
     # module's: "no backward pass reached the tracked parameters").
     x, y = _data(8)  # one optimizer step per epoch
     callback, _ = _fit(_Classifier(lr=0.1), "economy", x, y, tmp_path, max_epochs=2)
-    first, first_log = callback.cockpit, (tmp_path / "cockpit.json").read_text()
-    with pytest.warns(UserWarning, match=r"fit\(\) again, not resuming the last run: .*cockpit_run1.json"):
+    first_log, before = (tmp_path / "cockpit.json").read_text(), callback.cockpit.get_output()
+    with pytest.warns(UserWarning, match=r"fit\(\) again from step 0: a new cockpit tracks this run, .*cockpit_run1.json"):
         _fit(_Classifier(lr=0.1), "economy", x, y, tmp_path, callback=callback, max_epochs=2)
-    assert callback.earlier_cockpits == [first] and callback.cockpit is not first
     assert (tmp_path / "cockpit.json").read_text() == first_log
     assert sorted(json.loads((tmp_path / "cockpit_run1.json").read_text())) == ["0", "1"]
-    before, after = first.get_output(), callback.cockpit.get_output()
+    [earlier], after = callback.earlier_outputs, callback.cockpit.get_output()
     for step in (0, 1):  # the same module again (its seed): the same run
+        assert earlier[step]["NormTest"] == before[step]["NormTest"]
         assert after[step]["NormTest"] == pytest.approx(before[step]["NormTest"], rel=1e-6), step
+
+
+@pytest.mark.parametrize("how", ["fit_on", "from_checkpoint"])
+def test_a_fit_that_goes_on_with_the_same_callback_stays_one_run(tmp_path, how):
+    # A first version of the runs made a new cockpit for these: "Distance needs step 0 to be tracked".
+    x, y = _data(8)  # one optimizer step per epoch
+    economy = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731
+    whole, _ = _fit(_Classifier(lr=0.1), economy(), x, y, tmp_path / "whole", max_epochs=4)
+    module = _Classifier(lr=0.1)
+    callback, trainer = _fit(module, economy(), x, y, tmp_path / "run", max_epochs=2)
+    if how == "fit_on":  # the same trainer and module, more epochs
+        trainer.fit_loop.max_epochs = 4
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
+        trainer.fit(module, loader)
+    else:
+        trainer.save_checkpoint(tmp_path / "halfway.ckpt")
+        _fit(module, None, x, y, tmp_path / "run", callback=callback, max_epochs=4, ckpt_path=tmp_path / "halfway.ckpt")
+    assert callback.earlier_outputs == []
+    expected, actual = whole.cockpit.get_output(), callback.cockpit.get_output()
+    assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
+    for step in expected:
+        for name in ("NormTest", "Distance", "Alpha", "UpdateSize"):
+            if name in expected[step]:
+                assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5), (step, name)
 
 
 class _Validated(_Classifier):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from any_models import flat, gradient_tests, oracle_grads  # noqa: E402
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.transformers import CockpitCallback  # noqa: E402
+from cockpit_fast.utils.configuration import configuration  # noqa: E402
 
 EVERY = staticmethod(lambda step: True)
 VOCAB, TOKENS, SEQUENCES = 61, 10, 8
@@ -130,27 +131,39 @@ def test_the_callback_writes_the_log_and_dashboard_and_logs_through_the_trainer(
 def test_each_train_that_does_not_resume_is_a_run_of_its_own(tmp_path, made_by):
     # Before: a second train() overwrote the first run's steps and log; with model_init (a new
     # model each train(), as hyperparameter_search's trials) it raised "no backward pass reached".
+    # A first version kept the earlier cockpits (their hooks on every module call of the process,
+    # their models alive) and handed the next run the same quantity objects (a noise scale's
+    # moving average went on from the last run's).
+    from torch.nn.modules import module as torch_module
+
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=SEQUENCES, max_steps=3, learning_rate=1e-2,
         report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, logging_strategy="no", seed=0,
     )
-    callback = CockpitCallback("economy", logpath=str(tmp_path / "cockpit"))
+    tracked = configuration("economy", track_schedule=EVERY) + [quantities.GradNoiseScale(EVERY)]
+    callback = CockpitCallback(tracked, logpath=str(tmp_path / "cockpit"))
     model = {"model": _gpt2(), "model_init": None}[made_by]
     trainer = transformers.Trainer(model=model, model_init=_gpt2 if model is None else None, args=args,
                                    train_dataset=_Sequences(), callbacks=[callback])
     trainer.train()
-    first_log = (tmp_path / "cockpit.json").read_text()
-    first = callback.cockpit
-    with pytest.warns(UserWarning, match=r"train\(\) again, not resuming the last run: .*cockpit_run1.json"):
+    first_log, before = (tmp_path / "cockpit.json").read_text(), callback.cockpit.get_output()
+    hooks = len(torch_module._global_forward_pre_hooks)
+    with pytest.warns(UserWarning, match=r"train\(\) again from step 0: a new cockpit tracks this run, .*cockpit_run1.json"):
         trainer.train()
-    assert callback.earlier_cockpits == [first] and callback.cockpit is not first
+    assert len(torch_module._global_forward_pre_hooks) == hooks  # the first run's cockpit watches no more
     assert (tmp_path / "cockpit.json").read_text() == first_log
     second_log = json.loads((tmp_path / "cockpit_run1.json").read_text())
     assert sorted(second_log) == ["0", "1", "2"] and (tmp_path / "cockpit_run1__primary.png").exists()
-    before, after = first.logged_output(), callback.cockpit.logged_output()
+    [earlier], after = callback.earlier_outputs, callback.cockpit.get_output()
     for step in range(3):
+        assert earlier[step]["NormTest"] == before[step]["NormTest"], step
         if made_by == "model_init":  # the same model again (its seed): the same run
-            assert after[step]["NormTest"] == pytest.approx(before[step]["NormTest"], rel=1e-6), step
+            assert sorted(after[step]) == sorted(before[step]), step
+            for name in {"NormTest", "Alpha"} & set(before[step]):
+                assert after[step][name] == pytest.approx(before[step][name], rel=1e-6), (step, name)
+            assert after[step]["GradNoiseScale"]["b_simple_ema"] == pytest.approx(
+                before[step]["GradNoiseScale"]["b_simple_ema"], rel=1e-6
+            ), step
         else:  # the trained model trains on
             assert after[step]["Loss"] < before[step]["Loss"], step
 

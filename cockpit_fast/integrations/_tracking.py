@@ -2,6 +2,7 @@
 micro-batches, each sample's loss taken from the model's output, the output handed to the
 trainer's loggers, the log and dashboard written at the end."""
 
+import copy
 import os
 import warnings
 
@@ -118,14 +119,26 @@ def latest_scalars(cockpit, output, per_parameter=False):
 
 
 class Runs:
-    """The runs a trainer callback tracks: each ``train()``/``fit()`` that does not resume the last
-    run (a second one, a hyperparameter search's trial, a new model) is a run of its own, with
-    its own cockpit and log (``logpath + "_run<k>"`` after the first); the earlier runs'
-    cockpits stay in :attr:`earlier`."""
+    """The runs a trainer callback tracks. A ``train()``/``fit()`` that starts afresh (at step 0, not
+    from a checkpoint: a second one, a hyperparameter search's trial) or on another model is a
+    run of its own: its own cockpit, of fresh quantities (copies of those given, as they were
+    before any run), and its own log (``logpath + "_run<k>"`` after the first). The earlier runs'
+    outputs stay in :attr:`earlier`; their cockpits stop watching the process's module calls and
+    are let go (a search's trials keep no model alive). A ``fit()`` that goes on from the trainer's
+    step, or one resumed from a checkpoint, goes on in the same run.
 
-    def __init__(self, logpath):
-        self.base_logpath = logpath
-        self.earlier = []
+    Args:
+        logpath (str, optional): The first run's log.
+        quantities (list or str): The callback's quantities, or a configuration label.
+    """
+
+    def __init__(self, logpath, quantities):
+        self.base_logpath, self._given = logpath, quantities
+        self.earlier = []  # each earlier run's output, Cockpit.get_output()
+        try:  # (before any run changes them)
+            self._unused = quantities if isinstance(quantities, str) else _copied(list(quantities))
+        except Exception as error:  # noqa: BLE001 (any object a user hands in)
+            self._unused = error
 
     @property
     def logpath(self):
@@ -133,23 +146,45 @@ class Runs:
         runs = len(self.earlier)
         return self.base_logpath if self.base_logpath is None or not runs else f"{self.base_logpath}_run{runs}"
 
-    def next(self, cockpit, model, resumed, started):
-        """Whether a run starting on ``model`` (``resumed``: from a checkpoint) needs a new cockpit
-        instead of ``cockpit`` (None: none yet); if so ``cockpit`` joins :attr:`earlier`, with a
-        warning naming the new run's log. ``started``: the call that starts it, for the warning."""
+    def quantities(self):
+        """The current run's quantities: those given for the first, fresh copies for later ones."""
+        if not self.earlier or isinstance(self._given, str):
+            return self._given
+        if isinstance(self._unused, Exception):
+            raise ValueError(
+                f"CockpitCallback: a new run needs fresh quantities, and those given cannot be copied "
+                f"({self._unused}): hand a configuration label, or make a callback for each run"
+            )
+        return _copied(self._unused)
+
+    def next(self, cockpit, model, resumed, step, started):
+        """Whether a ``train()``/``fit()`` (``started``, for the warning) on ``model`` at the
+        trainer's ``step`` (``resumed``: from a checkpoint) needs a new cockpit instead of
+        ``cockpit`` (None: none yet). A new run says so."""
         if cockpit is None:
             return True
         held = {id(p) for p in model.parameters()}
-        if resumed and all(id(p) in held for p in cockpit.params):  # the same run, going on
+        if all(id(p) in held for p in cockpit.params) and (resumed or step > 0):  # the same run goes on
             return False
-        self.earlier.append(cockpit)
+        cockpit.stop_watching()
+        if resumed:  # another model going on from a checkpoint: its run, restored into a new cockpit
+            return True
+        self.earlier.append(cockpit.get_output())
         log = "" if self.logpath is None else f", its log goes to {self.logpath}.json"
         warnings.warn(
-            f"CockpitCallback: {started} again, not resuming the last run: a new cockpit tracks this run{log}; "
-            "the earlier runs' cockpits stay in callback.earlier_cockpits",
+            f"CockpitCallback: {started} again from step 0: a new cockpit tracks this run{log}; the earlier "
+            "runs' outputs stay in callback.earlier_outputs",
             stacklevel=4,
         )
         return True
+
+
+def _copied(quantities):
+    """Deep copies of ``quantities``, sharing their schedules and other callables (a lambda, a
+    ``staticmethod``: nothing a run changes)."""
+    shared = {id(value): value for q in quantities for value in getattr(q, "__dict__", {}).values()
+              if callable(value) or isinstance(value, (staticmethod, classmethod))}
+    return copy.deepcopy(quantities, shared)
 
 
 def write_results(cockpit, logpath, plot):
@@ -195,15 +230,16 @@ def lightning_callback(base, module):
             self.quantities, self.logpath, self.plot, self.per_parameter = quantities, logpath, plot, per_parameter
             self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
             self.cockpit = None
-            self._runs = Runs(logpath)
+            self._runs = Runs(logpath, quantities)
             self._steps = self._logger = None
             self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
             self._stage = None  # the trainer's stage ("fit", "validate", ...) from setup to teardown
+            self._fit_started = False  # on_fit_start ran since setup
 
         def on_fit_start(self, trainer, pl_module):
             # (Not in setup(): configure_model, after it, may shard the parameters, FSDP2's fully_shard.)
-            if self._runs.next(self.cockpit, pl_module, self._restored is not None, "fit()"):
-                self.cockpit = make_cockpit(pl_module, self.quantities, self.max_kept_bytes, self._runs.logpath)
+            if self._runs.next(self.cockpit, pl_module, self._restored is not None, trainer.global_step, "fit()"):
+                self.cockpit = make_cockpit(pl_module, self._runs.quantities(), self.max_kept_bytes, self._runs.logpath)
                 self._steps = TrainerSteps(self.cockpit)
                 # pl_module.log reaches every logger of the trainer, at the step being taken.
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731
@@ -211,6 +247,7 @@ def lightning_callback(base, module):
             if self._restored is not None:
                 self._restore(self._restored)
                 self._restored = None
+            self._fit_started = True
 
         def on_train_start(self, trainer, pl_module):
             if len(trainer.optimizers) > 1:
@@ -241,8 +278,8 @@ def lightning_callback(base, module):
             write_results(self.cockpit, self._runs.logpath, self.plot)
 
         @property
-        def earlier_cockpits(self):
-            """The cockpits of the runs before this one (each ``fit()`` not resuming the last)."""
+        def earlier_outputs(self):
+            """The outputs of the runs before this one (each ``fit()`` from step 0), in order."""
             return self._runs.earlier
 
         def on_exception(self, trainer, pl_module, exception):
@@ -263,20 +300,20 @@ def lightning_callback(base, module):
             return {"cockpit_by_rank": dict(enumerate(states)) if rank == 0 else {rank: state}}
 
         def setup(self, trainer, pl_module, stage):
-            self._stage = stage
+            self._stage, self._fit_started = stage, False
 
         def teardown(self, trainer, pl_module, stage):
-            self._stage = None
+            self._stage, self._fit_started = None, False
 
         def load_state_dict(self, state_dict):
             # Lightning restores callbacks for validate, test and predict from a checkpoint too:
             # only a fit's goes on from it.
             if not state_dict or self._stage not in (None, "fit"):
                 return
-            if self.cockpit is None:  # until on_fit_start makes it
+            if self.cockpit is not None and (self._stage is None or self._fit_started):
+                self._restore(state_dict)  # by hand, or after on_fit_start (ModelParallelStrategy loads late)
+            else:  # until on_fit_start makes the run's cockpit, or keeps the last run's
                 self._restored = state_dict
-            else:
-                self._restore(state_dict)
 
         def _restore(self, state_dict):
             state = state_dict.get("cockpit")

@@ -16,7 +16,7 @@ checkpoint the trainer writes (``cockpit_state.pt``; under ``torchrun`` each pro
 one (``trainer.train(resume_from_checkpoint=...)``). The cockpit is ``callback.cockpit``. Each
 ``train()`` that does not resume (a second one, each trial of ``hyperparameter_search``, a new
 model from ``model_init``) is a run of its own: a new cockpit tracks it, its log goes to
-``logpath + "_run<k>"``, and the earlier runs' cockpits stay in ``callback.earlier_cockpits``.
+``logpath + "_run<k>"``, and the earlier runs' outputs stay in ``callback.earlier_outputs``.
 
 Where the model does not take ``num_items_in_batch`` (its ``forward`` has no ``**kwargs``), the
 trainer divides each micro-batch's loss by the micro-batches of the step (fewer in an epoch's
@@ -72,15 +72,15 @@ class CockpitCallback(TrainerCallback):
         self.quantities, self.logpath, self.plot, self.max_kept_bytes = quantities, logpath, plot, max_kept_bytes
         self.per_parameter = per_parameter
         self.cockpit = None
-        self._runs = Runs(logpath)
+        self._runs = Runs(logpath, quantities)
         self._steps = self._hook = self._trainer = self._args = None
         self._logging = False  # inside our own trainer.log: its on_log is ours to pass
         self._logged_through = None  # the newest tracked step logged
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._trainer, resumed_from = _calling_trainer()
-        if self._runs.next(self.cockpit, model, resumed_from is not None, "train()"):
-            self.cockpit = make_cockpit(model, self.quantities, self.max_kept_bytes, self._runs.logpath)
+        if self._runs.next(self.cockpit, model, resumed_from is not None, state.global_step, "train()"):
+            self.cockpit = make_cockpit(model, self._runs.quantities(), self.max_kept_bytes, self._runs.logpath)
             self._steps, self._logged_through = TrainerSteps(self.cockpit), None
             if self._hook is not None:  # on the last run's model
                 self._hook.remove()
@@ -163,8 +163,8 @@ class CockpitCallback(TrainerCallback):
         write_results(self.cockpit, self._runs.logpath, self.plot)
 
     @property
-    def earlier_cockpits(self):
-        """The cockpits of the runs before this one (each ``train()`` not resuming the last)."""
+    def earlier_outputs(self):
+        """The outputs of the runs before this one (each ``train()`` from step 0), in order."""
         return self._runs.earlier
 
 
