@@ -13,7 +13,7 @@ from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics, zero_grad
+from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics, unreached, zero_grad
 from cockpit_fast._validation import check_info
 from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, reduce_step, resolve_group
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
@@ -824,8 +824,7 @@ class _TrackedBackward:
             grads = [local_grads[i].detach() if i in local_grads else zero_grad(p) for i, p in enumerate(plan.params)]
             cockpit._say_unreached(plan.global_step, [i for i in range(len(plan.params)) if reads and i not in local_grads])
         elif plan.group is None and reads:
-            without = [i for i, p in enumerate(plan.params) if p.grad is None]
-            cockpit._say_unreached(plan.global_step, without if len(without) < len(plan.params) else [])
+            cockpit._say_unreached(plan.global_step, unreached(plan.params))
         info = _combined_info(plan, self._ended, None if stats is None else stats.samples) if self._micro else None
         norms = _micro_batch_norms(self._ended, plan, local_grads) if self._reads_micro else None
         step = {"local_grads": local_grads, "grads": grads, "info": info, "micro_batch_norms": norms,

@@ -486,6 +486,13 @@ class StepContext(_InfoReader):
         return [getattr(p, name).detach() for p in self.params]
 
 
+def unreached(params):
+    """Indices of the tracked ``params`` no backward pass of the step reached (no ``.grad``: an
+    expert no token chose) while others were; [] where none was reached (nothing ran)."""
+    without = [i for i, p in enumerate(params) if p.grad is None]
+    return without if len(without) < len(params) else []
+
+
 def zero_grad(param):
     """The gradient of a parameter no backward pass reached: zeros, broadcast from one (a step
     with hundreds of unchosen experts allocates nothing for them)."""

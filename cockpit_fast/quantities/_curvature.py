@@ -2,6 +2,8 @@
 
 from backpack import extensions
 
+from cockpit_fast.statistics import unreached
+
 CURVATURE_EXTENSIONS = {
     "diag_h": extensions.DiagHessian,
     "diag_ggn_exact": extensions.DiagGGNExact,
@@ -32,11 +34,11 @@ def diagonal_curvature(ctx, name, quantity):
     try:
         return ctx.curvature(name)
     except AttributeError:  # BackPACK writes its results as attributes of the parameters
-        unreached = [i for i, p in enumerate(ctx.params) if not hasattr(p, name) and p.grad is None]
-        if unreached and len(unreached) < len(ctx.params):
+        missing = unreached(ctx.params)
+        if missing:
             raise ValueError(
                 f"{type(quantity).__name__} needs BackPACK's {CURVATURE_EXTENSIONS[name].__name__} of every tracked "
-                f"parameter; no backward pass of step {ctx.global_step} reached parameters {unreached} (an expert no "
+                f"parameter; no backward pass of step {ctx.global_step} reached parameters {missing} (an expert no "
                 "token chose, a layer the forward pass skipped): track it over parameters every step uses"
             ) from None
         raise ValueError(

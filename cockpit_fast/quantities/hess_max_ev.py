@@ -8,6 +8,7 @@ import torch
 from cockpit_fast._optional import require
 from cockpit_fast.distributed import global_mean, same_everywhere
 from cockpit_fast.quantities.quantity import FastQuantity
+from cockpit_fast.statistics import unreached
 
 
 class HessMaxEV(FastQuantity):
@@ -38,10 +39,10 @@ class HessMaxEV(FastQuantity):
 
     def _compute(self, ctx):
         grads = ctx.differentiable_grads()
-        unreached = [i for i, p in enumerate(ctx.params) if p.grad is None] if ctx.group is None else []  # (ranks differ)
-        if unreached and len(unreached) < len(ctx.params):
+        missing = unreached(ctx.params) if ctx.group is None else []  # (ranks differ)
+        if missing:
             raise ValueError(
-                f"HessMaxEV: no backward pass of step {ctx.global_step} reached tracked parameters {unreached} (an "
+                f"HessMaxEV: no backward pass of step {ctx.global_step} reached tracked parameters {missing} (an "
                 "expert no token chose, a layer the forward pass skipped): track it over parameters every step uses"
             )
         if any(g is None for g in grads):
