@@ -18,9 +18,8 @@ units of the backward pass that produced them (``∇ℓ_n / N`` for a mean loss,
 weights tied across modules).
 """
 
-import functools
 import math
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -158,6 +157,11 @@ class PerSampleGrads:
 
     def dot(self, direction):
         return None
+
+    def formed_dots(self, direction):
+        """(N,) ``<G_n, direction>`` from the gradients formed a chunk at a time: the same bits from
+        the same form wherever it is (a closed form rounds its own way)."""
+        return torch.cat([ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in self.chunks()])
 
     def row_dots(self, direction):
         """(N, rows): ``<G_n[r], direction[r]>`` for each row ``r`` of the first dimension, in
@@ -513,6 +517,9 @@ class ZeroGrads(PerSampleGrads):
     def dot(self, direction):
         return self._zeros(self.batch_size)
 
+    def formed_dots(self, direction):
+        return direction.new_zeros(self.batch_size, dtype=accumulation_dtype(direction.dtype))
+
     def row_dots(self, direction):
         return self._zeros(self.batch_size, self.shape[0]) if self.shape else None
 
@@ -528,7 +535,7 @@ class ZeroGrads(PerSampleGrads):
         return self.batch_size * ops.hist2d(param.new_zeros(1, *self.shape), param, bins, range, scale)
 
 
-@functools.lru_cache(maxsize=16)
+@lru_cache(maxsize=16)
 def _zero_hist1d(bins, range, scale, dtype, device):
     """hist1d of one zero: the same for every unreached parameter of a step (an op call each costs
     more than the rest of its statistics)."""
@@ -701,8 +708,8 @@ class Kept:
 
     def dot(self, direction):
         """(N,) ``<G_n, direction>``, from the gradients formed a chunk at a time: the same bits
-        as from the same forms a resumed run restores (a closed form rounds its own way)."""
-        return torch.cat([dots for form in self.forms for dots in _chunk_dots(form, direction)])
+        as from the same forms a resumed run restores."""
+        return torch.cat([form.formed_dots(direction) for form in self.forms])
 
     def state(self):
         """Each form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
@@ -729,13 +736,6 @@ class Kept:
             return item
 
         return cls(form(state))
-
-
-def _chunk_dots(form, direction):
-    """``<G_n, direction>`` of each chunk of ``form``'s gradients (zeros: none formed)."""
-    if isinstance(form, ZeroGrads):
-        return [direction.new_zeros(form.batch_size, dtype=accumulation_dtype(direction.dtype))]
-    return [ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in form.chunks()]
 
 
 def _form_of(kind, fields):
