@@ -227,7 +227,7 @@ def lightning_callback(base, module):
             self, quantities="economy", logpath=None, plot=True, losses_attribute="individual_losses",
             max_kept_bytes=None, per_parameter=False,
         ):
-            self.quantities, self.logpath, self.plot, self.per_parameter = quantities, logpath, plot, per_parameter
+            self.plot, self.per_parameter = plot, per_parameter
             self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
             self.cockpit = None
             self._runs = Runs(logpath, quantities)

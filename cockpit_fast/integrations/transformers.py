@@ -69,7 +69,7 @@ class CockpitCallback(TrainerCallback):
     """
 
     def __init__(self, quantities="economy", logpath=None, plot=True, max_kept_bytes=None, per_parameter=False):
-        self.quantities, self.logpath, self.plot, self.max_kept_bytes = quantities, logpath, plot, max_kept_bytes
+        self.plot, self.max_kept_bytes = plot, max_kept_bytes
         self.per_parameter = per_parameter
         self.cockpit = None
         self._runs = Runs(logpath, quantities)
