@@ -411,6 +411,51 @@ def test_positions_looked_up_before_the_tokens_keep_the_models_samples_and_rules
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
 
 
+class _TimeFirstInside(nn.Module):
+    """Batch first outside, time first inside (as XLNet transposes its input): (T, N, E) tensors
+    whose positions mix (a running mean over time), modules that say nothing of it."""
+
+    def __init__(self, width=5, classes=3):
+        super().__init__()
+        self.inp, self.mix, self.head = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, x):  # x: (N, T, E)
+        h = torch.tanh(self.inp(x.transpose(0, 1)))  # (T, N, E)
+        steps = torch.arange(1, h.shape[0] + 1, dtype=h.dtype).view(-1, 1, 1)
+        h = torch.tanh(self.mix(h.cumsum(0) / steps))  # each position reads the earlier ones
+        return self.head(h.mean(0))
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_time_first_inside_with_as_many_positions_as_samples_stays_module_local(reader):
+    """T == N: the sizes cannot tell positions from samples; the first step's proof finds the
+    samples along dimension 1, and later steps keep them there (not the whole graph)."""
+    torch.manual_seed(0)
+    model = _TimeFirstInside().double()
+    params = list(model.parameters())
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    if reader == "cockpit":
+        watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    else:
+        watching = GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
+    for step in range(3):
+        x, y = torch.randn(N, N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad(set_to_none=True)
+        losses = losses_of(model, x, y)
+        if reader == "cockpit":
+            with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+            expected = _norm_test(flat(oracle_grads(model, params, losses_of, x, y)))
+            assert watching.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
+            routes = watching.routes()
+        else:
+            rows = watching(losses)  # (N, parameters): each sample's norm of each
+            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in oracle_grads(model, params, losses_of, x, y)], 1)
+            torch.testing.assert_close(rows.double(), expected, rtol=1e-10, atol=0)
+            routes = watching._engine.routes()
+        assert all(route.startswith("module-local") for route in routes.values()), (step, routes)
+
+
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
 def test_a_sparse_embedding_is_a_clear_error_in_the_forward_pass(reader):
     model = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))

@@ -84,6 +84,20 @@ class Call:
         self.outputs = None  # made once: not each sample's
         self.sample_dim, self.batch_size, self.shared, self._replayed = 0, n, True, None
 
+    def may_be_time_first(self, n):
+        """Whether the call's samples may be along dimension 1 where they were taken along 0: its
+        output holds ``n`` along both (as many positions as samples, T == N) and its module does
+        not say (no ``batch_first``)."""
+        shape = self.output_shapes[0]
+        return (
+            self.sample_dim == 0 and not self.shared and self.routed is None and not self.packed
+            and "batch_first" not in self.module.__dict__ and len(shape) > 1 and shape[0] == shape[1] == n
+        )
+
+    def take_time_first(self):
+        """Take the call's samples along dimension 1 (:meth:`may_be_time_first`)."""
+        self.sample_dim, self._replayed = 1, None
+
     @property
     def size(self):
         """How many values the call's parameters hold: what a replay forms per sample."""
@@ -255,6 +269,7 @@ class Capture:
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
         self.recent = weakref.WeakSet()  # calls whose graph is alive, for planning a step
         self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
+        self.time_first = weakref.WeakSet()  # modules a proof found time first (T == N: sizes cannot tell)
         me = weakref.ref(self)
         # Python bookkeeping, hidden from torch.compile: compiled models call it between graphs.
         self._enter_hook = torch.compiler.disable(lambda m, a: _call(me, "_enter", m, a))
@@ -285,7 +300,10 @@ class Capture:
 
     def _enter(self, module, args):
         # __dict__: plain attributes only, without Module.__getattr__'s slow path on every call.
-        time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
+        time_first = (
+            module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
+            or (bool(self.time_first) and module in self.time_first)
+        )
         if not self._frames:  # the model's input shows its samples (a first call may not: positions looked up)
             self._batch = _samples_in(args, 1 if time_first else 0)
         self._frames.append((module, set(), time_first))

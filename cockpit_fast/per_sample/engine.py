@@ -220,9 +220,11 @@ class Engine:
         """The checks, on a backward pass of ``losses`` weighted by ``scale`` that forms every
         call's parameters, then one more weighted at random (the proof); what passes keeps the
         forms of the first, the rest take the whole graph. Calls that fail as made once for
-        every sample are checked again taken apart where their output is broadcast."""
+        every sample are checked again taken apart where their output is broadcast, and calls
+        that fail with as many positions as samples (T == N) again time first."""
         weights = torch.full_like(losses, scale)
         inputs = self._in_graph(tracked)
+        flipped = []
         for attempt in range(2):
             self.capture.arm()  # (reading the user's hooks, applied to each sample's gradient)
             try:
@@ -235,9 +237,13 @@ class Engine:
             unsure = [c for c in calls if not c.shared and (c in mixed or c.batch_size != batch_size)]
             if attempt or not unsure:
                 break
-            self._share(unsure, losses.grad_fn, batch_size, handles)
-            if not any(call.shared for call in unsure):  # none to check again
+            flipped = [call for call in unsure if call in mixed and call.may_be_time_first(batch_size)]
+            for call in flipped:
+                call.take_time_first()
+            self._share([call for call in unsure if call not in flipped], losses.grad_fn, batch_size, handles)
+            if not flipped and not any(call.shared for call in unsure):  # none to check again
                 break
+        self.capture.time_first.update(call.module for call in flipped if call not in mixed)
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
