@@ -426,34 +426,98 @@ class _TimeFirstInside(nn.Module):
         return self.head(h.mean(0))
 
 
-@pytest.mark.parametrize("reader", ["cockpit", "collector"])
-def test_time_first_inside_with_as_many_positions_as_samples_stays_module_local(reader):
-    """T == N: the sizes cannot tell positions from samples; the first step's proof finds the
-    samples along dimension 1, and later steps keep them there (not the whole graph)."""
-    torch.manual_seed(0)
-    model = _TimeFirstInside().double()
+class _CalledBothWays(nn.Module):
+    """One Linear called on time-first (T, N, E) tensors and again on batch-first (N, T, E) ones."""
+
+    def __init__(self, width=5, classes=3):
+        super().__init__()
+        self.mix, self.head = nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, x):  # x: (N, T, E)
+        h = torch.tanh(self.mix(x.transpose(0, 1)))
+        steps = torch.arange(1, h.shape[0] + 1, dtype=h.dtype).view(-1, 1, 1)
+        return self.head(torch.tanh(self.mix((h.cumsum(0) / steps).transpose(0, 1))).mean(1))
+
+
+class _TimeFirstBlock(nn.Module):
+    """A block with a parameter of its own that runs its child batch first, then mixes positions
+    time first: its calls hold samples along dimension 1, its child's along 0."""
+
+    def __init__(self, width=5):
+        super().__init__()
+        self.pre, self.scale = nn.Linear(width, width), nn.Parameter(torch.randn(width))
+
+    def forward(self, x):  # x: (N, T, E)
+        h = torch.tanh(self.pre(x)).transpose(0, 1) * self.scale
+        steps = torch.arange(1, h.shape[0] + 1, dtype=h.dtype).view(-1, 1, 1)
+        return h.cumsum(0) / steps
+
+
+class _WithTimeFirstBlock(nn.Module):
+    def __init__(self, width=5, classes=3):
+        super().__init__()
+        self.block, self.head = _TimeFirstBlock(width), nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.block(x).mean(0))
+
+
+def _steps_against_the_oracle(model, lengths, reader):
+    """Steps of ``(N, T, 5)`` inputs, T from ``lengths``, each checked against the float64
+    oracle (the cockpit's NormTest or the collector's per-sample norms); each step's routes."""
     params = list(model.parameters())
     losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
     if reader == "cockpit":
         watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     else:
         watching = GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
-    for step in range(3):
-        x, y = torch.randn(N, N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+    routes = []
+    for step, length in enumerate(lengths):
+        x, y = torch.randn(N, length, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
         model.zero_grad(set_to_none=True)
-        losses = losses_of(model, x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the whole graph's notice)
+            losses = losses_of(model, x, y)
+            if reader == "cockpit":
+                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                    losses.mean().backward()
+            else:
+                rows = watching(losses)  # (N, parameters): each sample's norm of each
+        oracle = oracle_grads(model, params, losses_of, x, y)
         if reader == "cockpit":
-            with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward()
-            expected = _norm_test(flat(oracle_grads(model, params, losses_of, x, y)))
-            assert watching.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
-            routes = watching.routes()
+            got, expected = watching.get_output()[step]["NormTest"], _norm_test(flat(oracle))
+            assert got == pytest.approx(expected, rel=1e-10), (step, length)
         else:
-            rows = watching(losses)  # (N, parameters): each sample's norm of each
-            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in oracle_grads(model, params, losses_of, x, y)], 1)
-            torch.testing.assert_close(rows.double(), expected, rtol=1e-10, atol=0)
-            routes = watching._engine.routes()
+            expected = torch.stack([g.flatten(1).norm(dim=1) for g in oracle], 1)
+            torch.testing.assert_close(rows.double(), expected, rtol=1e-10, atol=0, msg=f"step {step}, T = {length}")
+        routes.append((watching if reader == "cockpit" else watching._engine).routes())
+    return routes
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+@pytest.mark.parametrize("lengths", [(N, N, N), (N + 2, N, N)], ids=["T_eq_N_first", "T_eq_N_later"])
+def test_time_first_inside_with_as_many_positions_as_samples_stays_module_local(reader, lengths):
+    """T == N: the sizes cannot tell positions from samples; where the proof (or, at T != N, the
+    sizes) found a module's samples along dimension 1, its calls stay there on later steps."""
+    torch.manual_seed(0)
+    for step, routes in enumerate(_steps_against_the_oracle(_TimeFirstInside().double(), lengths, reader)):
         assert all(route.startswith("module-local") for route in routes.values()), (step, routes)
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_a_module_called_time_first_and_batch_first_is_exact_where_sizes_cannot_tell(reader):
+    torch.manual_seed(0)
+    routes = _steps_against_the_oracle(_CalledBothWays().double(), (N, N, N + 2), reader)
+    assert routes[0]["mix.weight"].startswith("module-local")  # the proof told each call's samples
+    assert routes[1]["mix.weight"] == "whole graph"  # no proof at the second step: sizes alone
+    assert routes[2]["mix.weight"].startswith("module-local")  # sizes tell
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_the_children_of_a_module_found_time_first_keep_their_own_samples(reader):
+    torch.manual_seed(0)
+    routes = _steps_against_the_oracle(_WithTimeFirstBlock().double(), (N, N, N + 2, N), reader)
+    assert all(r["block.pre.weight"].startswith("module-local") for r in routes), routes
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])

@@ -69,6 +69,8 @@ class Call:
         self.spent = False  # a tracked backward pass went through it: no later step's
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
+        self.layout_inferred = False  # its sample dimension read from sizes (or the proof): no batch_first said it
+        self.layout_unknown = False  # as many positions as samples, of a module found both ways
         first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
         # Where its rows came from (routed tokens, flattened ones): routed.regroup reads it.
         has_graph = first_input is not None and first_input.grad_fn is not None
@@ -84,15 +86,18 @@ class Call:
         self.outputs = None  # made once: not each sample's
         self.sample_dim, self.batch_size, self.shared, self._replayed = 0, n, True, None
 
+    @property
+    def layout_found(self):
+        """Whether where its samples are was found (:attr:`layout_inferred`, a tensor with a
+        dimension besides the samples'), not told or taken apart."""
+        return self.layout_inferred and len(self.output_shapes[0]) > 1 and not self.shared and self.routed is None
+
     def may_be_time_first(self, n):
         """Whether the call's samples may be along dimension 1 where they were taken along 0: its
-        output holds ``n`` along both (as many positions as samples, T == N) and its module does
-        not say (no ``batch_first``)."""
+        output holds ``n`` along both (as many positions as samples, T == N) and neither its
+        module nor a caller says (``batch_first``)."""
         shape = self.output_shapes[0]
-        return (
-            self.sample_dim == 0 and not self.shared and self.routed is None and not self.packed
-            and "batch_first" not in self.module.__dict__ and len(shape) > 1 and shape[0] == shape[1] == n
-        )
+        return self.layout_found and self.sample_dim == 0 and not self.packed and shape[0] == shape[1] == n
 
     def take_time_first(self):
         """Take the call's samples along dimension 1 (:meth:`may_be_time_first`)."""
@@ -269,7 +274,9 @@ class Capture:
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
         self.recent = weakref.WeakSet()  # calls whose graph is alive, for planning a step
         self._mixing = weakref.WeakSet()  # calls of modules whose samples interact, graph alive
-        self.time_first = weakref.WeakSet()  # modules a proof found time first (T == N: sizes cannot tell)
+        # module -> the dimensions its calls were found to hold their samples along, by sizes or the
+        # proof, where neither it nor a caller says (batch_first): read where sizes cannot tell (T == N).
+        self.layouts = weakref.WeakKeyDictionary()
         me = weakref.ref(self)
         # Python bookkeeping, hidden from torch.compile: compiled models call it between graphs.
         self._enter_hook = torch.compiler.disable(lambda m, a: _call(me, "_enter", m, a))
@@ -300,10 +307,7 @@ class Capture:
 
     def _enter(self, module, args):
         # __dict__: plain attributes only, without Module.__getattr__'s slow path on every call.
-        time_first = (
-            module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
-            or (bool(self.time_first) and module in self.time_first)
-        )
+        time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
         if not self._frames:  # the model's input shows its samples (a first call may not: positions looked up)
             self._batch = _samples_in(args, 1 if time_first else 0)
         self._frames.append((module, set(), time_first))
@@ -349,7 +353,8 @@ class Capture:
         if not params:
             return None
         sample_dim = 1 if time_first else 0
-        replaced = None
+        inferred = not time_first and "batch_first" not in module.__dict__  # (neither it nor a caller says)
+        layout_unknown, replaced = False, None
         if shared.is_shared_lookup(module, args, output, sample_dim, self._batch):
             # Positions looked up once, (1, T), and broadcast over the samples: the output, expanded
             # (a view), takes each sample's gradient, and the expansion sums them as broadcasting did.
@@ -361,8 +366,13 @@ class Capture:
             # Sequences time-first from a parent that says nothing (nn.TransformerEncoderLayer's
             # feed-forward); the proof of the first step confirms it.
             time_first = True
+        elif inferred and outputs[0].dim() > 1 and outputs[0].shape[0] == self._batch == outputs[0].shape[1]:
+            # As many positions as samples (T == N): as the module's calls were found before.
+            found = self.layouts.get(module)
+            time_first, layout_unknown = found == {1}, found == {0, 1}
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
+        call.layout_inferred, call.layout_unknown = inferred, layout_unknown
         if module not in self._casts_inside:  # (its code's casts: read once, on its first call)
             self._casts_inside[module] = _computed_inside(outputs[0].grad_fn, (*args, *(kwargs or {}).values()))
         call.computed_in = least_precise([call.computed_in, self._casts_inside[module]])

@@ -183,6 +183,7 @@ class Engine:
                     "another module's forward, say). Hand in info['individual_losses'] with their graph (they "
                     "then take the exact route through the whole graph), or track without them"
                 )
+            self._learn_layouts([call for call, _ in fired])
             self._checked.update(call.module for call, _ in fired)
         self._record_routes(fired, step.forms, found)
         return {**found, **step.forms}
@@ -237,13 +238,13 @@ class Engine:
             unsure = [c for c in calls if not c.shared and (c in mixed or c.batch_size != batch_size)]
             if attempt or not unsure:
                 break
+            self._share(unsure, losses.grad_fn, batch_size, handles)
             flipped = [call for call in unsure if call in mixed and call.may_be_time_first(batch_size)]
             for call in flipped:
                 call.take_time_first()
-            self._share([call for call in unsure if call not in flipped], losses.grad_fn, batch_size, handles)
             if not flipped and not any(call.shared for call in unsure):  # none to check again
                 break
-        self.capture.time_first.update(call.module for call in flipped if call not in mixed)
+        self._learn_layouts(calls, mixed)
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
@@ -264,6 +265,14 @@ class Engine:
         forms.update(self._whole_graph(losses, tracked, whole, scale, calls))
         self._record_routes(fired, whole, found)
         return forms
+
+    def _learn_layouts(self, calls, mixed=()):
+        """Remember where the checked ``calls`` (but ``mixed``) were found to hold their samples,
+        for later calls of their modules whose sizes cannot tell (:attr:`Capture.layouts`)."""
+        for call in calls:
+            if call.layout_found and call not in mixed:
+                found = self.capture.layouts.get(call.module, frozenset())
+                self.capture.layouts[call.module] = found | {call.sample_dim}
 
     def _share(self, calls, root, batch_size, handles):
         """Takes apart ``calls`` made once for every sample where their output is broadcast
@@ -291,6 +300,11 @@ class Engine:
                 why = (
                     f"the samples of its calls of {type(call.module).__name__} cannot be told apart (upstream of "
                     "modules whose samples interact, or one call shared by every sample)"
+                )
+            elif call.layout_unknown:
+                why = (
+                    f"its module {type(call.module).__name__} was called with its samples along dimension 0 and "
+                    "along 1, and this call holds as many positions as samples (sizes cannot tell which)"
                 )
             elif call.replays_randomness():
                 why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
