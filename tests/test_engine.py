@@ -213,6 +213,30 @@ def test_a_functional_use_outside_its_layer_under_autocast_still_takes_the_whole
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
 
 
+def test_samples_that_interact_under_bf16_autocast_take_the_whole_graph():
+    """A mean over the batch mixes each sample's gradient by 1/N: under bf16 the proof holds its
+    calls to float32's rounding, not bf16's 2^-8 (which let them pass, 12% off)."""
+    torch.manual_seed(0)
+
+    class Centered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            return self.head(torch.tanh(h - h.mean(0, keepdim=True)).mean(1))
+
+    model = Centered()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 6, 5, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+    with pytest.warns(RuntimeWarning, match="lin.weight"):
+        cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY)], autocast=torch.bfloat16)
+    assert cockpit.routes()["lin.weight"] == "whole graph"
+    g = _oracle(model, x, y)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.02)
+
+
 class _MaskedEncoder(nn.Module):
     """nn.TransformerEncoder (batch first) with a causal float mask and a boolean key padding
     mask: under autocast its attention computes in bfloat16, its masks stay as given."""
