@@ -237,6 +237,18 @@ def test_samples_that_interact_under_bf16_autocast_take_the_whole_graph():
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.02)
 
 
+def test_float16_gradients_among_its_subnormals_keep_the_layers_rules():
+    """float16's subnormals (below 6e-5) round a gradient scaled by a power of two otherwise: the
+    proof holds float16 calls to their own rounding (float32's sent this MLP to the whole graph)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 5, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    small = lambda out: 1e-3 * F.cross_entropy(out.float(), y, reduction="none")  # noqa: E731
+    cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY)], losses_of=small, autocast=torch.float16)
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+
+
 class _MaskedEncoder(nn.Module):
     """nn.TransformerEncoder (batch first) with a causal float mask and a boolean key padding
     mask: under autocast its attention computes in bfloat16, its masks stay as given."""
@@ -526,6 +538,28 @@ def test_time_first_inside_with_as_many_positions_as_samples_stays_module_local(
     torch.manual_seed(0)
     for step, routes in enumerate(_steps_against_the_oracle(_TimeFirstInside().double(), lengths, reader)):
         assert all(route.startswith("module-local") for route in routes.values()), (step, routes)
+
+
+def test_a_guess_where_sizes_cannot_tell_is_proven_at_the_next_step_with_individual_losses():
+    """A first step at T == N without individual losses takes the calls batch first (a guess,
+    wrong here: README); the guess is neither remembered nor taken as checked, so the next step
+    with losses proves where the samples are, and later steps without them keep it."""
+    torch.manual_seed(0)
+    model = _TimeFirstInside().double()
+    params = list(model.parameters())
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    for step, given in enumerate([False, True, False]):
+        x, y = torch.randn(N, N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad(set_to_none=True)
+        losses = losses_of(model, x, y)
+        info = {"batch_size": N, "loss": losses.mean(), **({"individual_losses": losses} if given else {})}
+        with cockpit(step, info=info):
+            losses.mean().backward()
+        if step:
+            expected = _norm_test(flat(oracle_grads(model, params, losses_of, x, y)))
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])

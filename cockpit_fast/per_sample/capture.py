@@ -71,6 +71,7 @@ class Call:
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = False  # its sample dimension read from sizes (or the proof): no batch_first said it
         self.layout_unknown = False  # as many positions as samples, of a module found both ways
+        self.layout_guessed = False  # as many positions as samples, of a module never found either way
         first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
         # Where its rows came from (routed tokens, flattened ones): routed.regroup reads it.
         has_graph = first_input is not None and first_input.grad_fn is not None
@@ -88,9 +89,9 @@ class Call:
 
     @property
     def layout_found(self):
-        """Whether where its samples are was found (:attr:`layout_inferred`, a tensor with a
-        dimension besides the samples'), not told or taken apart."""
-        return self.layout_inferred and len(self.output_shapes[0]) > 1 and not self.shared and self.routed is None
+        """Whether where its samples are was found (:attr:`layout_inferred`, a tensor with
+        positions besides the samples and features), not told or taken apart."""
+        return self.layout_inferred and len(self.output_shapes[0]) > 2 and not self.shared and self.routed is None
 
     def may_be_time_first(self, n):
         """Whether the call's samples may be along dimension 1 where they were taken along 0: its
@@ -354,7 +355,8 @@ class Capture:
             return None
         sample_dim = 1 if time_first else 0
         inferred = not time_first and "batch_first" not in module.__dict__  # (neither it nor a caller says)
-        layout_unknown, replaced = False, None
+        layout_unknown = layout_guessed = False
+        replaced = None
         if shared.is_shared_lookup(module, args, output, sample_dim, self._batch):
             # Positions looked up once, (1, T), and broadcast over the samples: the output, expanded
             # (a view), takes each sample's gradient, and the expansion sums them as broadcasting did.
@@ -362,17 +364,19 @@ class Capture:
             outputs = [replaced]
         elif self._batch == 1 and outputs[0].dim() > sample_dim:
             self._batch = outputs[0].shape[sample_dim]  # the first call of the forward pass sets it
-        elif not time_first and outputs[0].dim() > 1 and outputs[0].shape[0] != self._batch == outputs[0].shape[1]:
+        elif not time_first and outputs[0].dim() > 2 and outputs[0].shape[0] != self._batch == outputs[0].shape[1]:
             # Sequences time-first from a parent that says nothing (nn.TransformerEncoderLayer's
-            # feed-forward); the proof of the first step confirms it.
+            # feed-forward); the proof of the first step confirms it. (Not (rows, features):
+            # routed tokens' rows with as many features as samples.)
             time_first = True
-        elif inferred and outputs[0].dim() > 1 and outputs[0].shape[0] == self._batch == outputs[0].shape[1]:
-            # As many positions as samples (T == N): as the module's calls were found before.
+        elif inferred and outputs[0].dim() > 2 and outputs[0].shape[0] == self._batch == outputs[0].shape[1]:
+            # As many positions as samples (T == N): as the module's calls were found before;
+            # a guess (batch first) where they never were.
             found = self.layouts.get(module)
-            time_first, layout_unknown = found == {1}, found == {0, 1}
+            time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, time_first)
-        call.layout_inferred, call.layout_unknown = inferred, layout_unknown
+        call.layout_inferred, call.layout_unknown, call.layout_guessed = inferred, layout_unknown, layout_guessed
         if module not in self._casts_inside:  # (its code's casts: read once, on its first call)
             self._casts_inside[module] = _computed_inside(outputs[0].grad_fn, (*args, *(kwargs or {}).values()))
         call.computed_in = least_precise([call.computed_in, self._casts_inside[module]])
@@ -482,10 +486,10 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     else:
         reference = [(call, [_fingerprint(call, g, i) for i, g in enumerate(grads)]) for call, grads in reference]
     # Powers of two: scaling by one commutes exactly with rounding, so a call whose samples are
-    # apart gets its gradients scaled exactly, whatever precision the backward pass runs in: a
-    # bf16 call is held to float32's eps too (its own, 2^-8, hid samples that interact through
-    # a mean over the batch). Distinct for up to 8 samples, so no two samples that interact
-    # share one weight.
+    # apart gets its gradients scaled exactly, whatever precision the backward pass runs in (but
+    # float16's subnormals): a bf16 call is held to float32's eps (its own, 2^-8, hid samples that
+    # interact through a mean over the batch). Distinct for up to 8 samples, so no two samples
+    # that interact share one weight.
     exponents = torch.randperm(n, generator=torch.Generator().manual_seed(0)) % 8
     weights = torch.ldexp(torch.ones(n, dtype=torch.float64), exponents).to(device=losses.device, dtype=losses.dtype)
     capture.arm(_fingerprint)
@@ -494,7 +498,7 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     seen = {id(call): prints for call, prints in weighted}
     mixed = []
     for call, prints in reference:
-        for g, h in zip(prints, seen.get(id(call), [])):
+        for (g, eps), (h, _) in zip(prints, seen.get(id(call), [])):
             if g is None or h is None or g.shape != h.shape or g.shape[1] != n:
                 if not (g is None and h is None):
                     mixed.append(call)
@@ -503,29 +507,29 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
             expected = g[:2] * weights.to(g.dtype)
             # Kernels whose order of summation is not fixed (atomic adds on a GPU) round their own
             # way in each pass: a few of float32's eps of the absolute sums.
-            tolerance = 64 * _EPS * (g[2] * weights.to(g.dtype) + h[2]) + 1e-30
+            tolerance = 64 * eps * (g[2] * weights.to(g.dtype) + h[2]) + 1e-30
             if ((h[:2] - expected).abs() > tolerance).any():
                 mixed.append(call)
                 break
     return mixed
 
 
-_EPS = torch.finfo(torch.float32).eps
-"""The proof's unit of rounding, in any dtype (float64 models compute some parts in float32:
-T5's norms)."""
-
-
 def _fingerprint(call, grad, index):
     """(3, N) sums of each sample's gradient of the call's ``index``-th output, in at least
-    float32: plain, against a fixed pattern, absolute. None for an output without samples."""
+    float32: plain, against a fixed pattern, absolute; and the machine epsilon the proof holds
+    them to. None for an output without samples."""
     dim = call.sample_dim_of(index)
     if grad is None or dim is None or grad.dim() <= dim:
-        return None
+        return None, None
+    # float32's in any dtype of its range (float64 models compute some parts in float32, T5's
+    # norms; bfloat16); float16's own, whose subnormals (below 6e-5) round a gradient scaled by
+    # a power of two otherwise than the gradient.
+    eps = torch.finfo(torch.float16 if grad.dtype == torch.float16 else torch.float32).eps
     rows = grad.detach().movedim(dim, 0).reshape(grad.shape[dim], -1)
     rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
     pattern = torch.cos(torch.arange(rows.shape[1], device=rows.device, dtype=rows.dtype))
     # vector_norm: the absolute sums without a tensor of absolute values (the logits' gradient is large).
-    return torch.stack([rows.sum(1), rows @ pattern, torch.linalg.vector_norm(rows, 1, dim=1)])
+    return torch.stack([rows.sum(1), rows @ pattern, torch.linalg.vector_norm(rows, 1, dim=1)]), eps
 
 
 class _Mixing:

@@ -184,7 +184,8 @@ class Engine:
                     "then take the exact route through the whole graph), or track without them"
                 )
             self._learn_layouts([call for call, _ in fired])
-            self._checked.update(call.module for call, _ in fired)
+            # (A guess stays unchecked: the next step with individual losses proves it.)
+            self._checked.update(call.module for call, _ in fired if not call.layout_guessed)
         self._record_routes(fired, step.forms, found)
         return {**found, **step.forms}
 
@@ -266,11 +267,13 @@ class Engine:
         self._record_routes(fired, whole, found)
         return forms
 
-    def _learn_layouts(self, calls, mixed=()):
-        """Remember where the checked ``calls`` (but ``mixed``) were found to hold their samples,
-        for later calls of their modules whose sizes cannot tell (:attr:`Capture.layouts`)."""
+    def _learn_layouts(self, calls, mixed=None):
+        """Remember where the checked ``calls`` were found to hold their samples, for later calls
+        of their modules whose sizes cannot tell (:attr:`Capture.layouts`): by the proof (but
+        ``mixed``), or where it did not run (None), by their sizes alone (not guessed)."""
         for call in calls:
-            if call.layout_found and call not in mixed:
+            found = call not in mixed if mixed is not None else not call.layout_guessed
+            if call.layout_found and found:
                 found = self.capture.layouts.get(call.module, frozenset())
                 self.capture.layouts[call.module] = found | {call.sample_dim}
 
