@@ -347,6 +347,34 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
 
 
+class _QueryReusedT5(nn.Module):
+    def __init__(self, t5):
+        super().__init__()
+        self.t5 = t5
+
+    def forward(self, ids):
+        query = self.t5.model.encoder.block[0].layer[0].SelfAttention.q.weight
+        spread = torch.linspace(-1, 1, self.t5.model.config.vocab_size, dtype=query.dtype)
+        return self.t5(ids) + 0.1 * query.sum() * spread
+
+
+def test_a_parameter_upstream_of_a_shared_call_taking_the_whole_graph_leaves_its_broadcast_alone():
+    """T5 whose encoder query weight is read again outside its module (the whole graph for it
+    alone): that pass goes through the broadcast of the shared position bias, whose hook read
+    gradients the pass does not compute (TypeError)."""
+    t5, batch, losses_of = build("hf_t5", torch.float64)
+    model = _QueryReusedT5(t5)
+    x, _ = batch(N, torch.Generator().manual_seed(1))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match="q.weight"):
+        training_step(model, None, (x, None), lambda out, _: losses_of(lambda _: out, x, None), cockpit=cockpit)
+    routes = cockpit.routes()
+    assert routes["t5.model.encoder.block.0.layer.0.SelfAttention.q.weight"] == "whole graph"
+    assert routes["t5.model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] == "module-local: Embedding rule"
+    g = flat(oracle_grads(model, list(model.parameters()), losses_of, x, None))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+
+
 def test_only_parameters_upstream_of_a_training_batch_norm_take_the_whole_graph():
     model, batch, _ = build("batch_norm_training", torch.float64)
     x, y = batch(N, torch.Generator().manual_seed(1))

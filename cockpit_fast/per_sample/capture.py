@@ -424,11 +424,16 @@ class Capture:
 
     def _fire(self, call, grads, broadcast=False):
         # A shared call's output gets the samples' gradients summed: its broadcasts' count instead.
-        if self._fired is not None and call.shared == broadcast:
+        if self.armed and call.shared == broadcast:
             if call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
                 grads = [None if g is None else call.routed(g) for g in grads]
             keep = self._keep
             self._fired.append((call, [keep(call, g, i) for i, g in enumerate(grads)] if keep else list(grads)))
+
+    @property
+    def armed(self):
+        """Whether the backward pass under way keeps the calls' gradients (:meth:`arm`)."""
+        return self._fired is not None
 
     def arm(self, keep=None):
         """Keep the calls whose outputs get gradients in the next backward pass, and those

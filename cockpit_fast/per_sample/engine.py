@@ -287,7 +287,7 @@ class Engine:
         for call, adds in found.items():
             if adds is not None:
                 call.share(batch_size)
-                handles.extend(shared.install(adds, call, self.capture.fire_broadcast))
+                handles.extend(shared.install(adds, call, self.capture))
         return [call for call, adds in found.items() if adds is None]
 
     def _whole_graph_needs(self, calls, tracked, batch_size, has_losses):

@@ -124,20 +124,25 @@ def per_sample_output_grads(chain, grad, batch_size, output_shape):
     return torch.vmap(back)(rows) if chain else rows
 
 
-def install(found, call, fire):
+def install(found, call, capture):
     """Pre-hooks on the broadcasting adds ``found`` (:func:`frontiers`) that hand
-    ``fire(call, [per-sample output gradient])`` what each receives; returns their handles."""
+    ``capture.fire_broadcast(call, [per-sample output gradient])`` what each receives in the
+    passes ``capture`` is armed for; returns their handles."""
     handles = []
     for node, chain in found:
 
         def hook(grads, chain=chain):
+            # (Not in other passes: one through the whole graph for some parameters alone does
+            # not compute the gradients of the call's output, which the chain's nodes read.)
+            if not capture.armed:
+                return
             rows = per_sample_output_grads(chain, grads[0], call.batch_size, call.output_shapes[0][1:])
             if rows is None:
                 raise RuntimeError(
                     f"the output of the {type(call.module).__name__} call shared by every sample no longer reaches "
                     "them along dimension 0 of a broadcasting add, as it did when the engine checked it"
                 )
-            fire(call, [rows])
+            capture.fire_broadcast(call, [rows])
 
         handles.append(node.register_prehook(hook))
     return handles
