@@ -176,11 +176,7 @@ def reduce_step(ctx, curvature_names=()):
         has_loss,
         has_losses,
     ]
-    mine = torch.tensor([local_n, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=params[0].device)
-    every = _all_gather(mine, group).tolist()
-    if len({checksum for _, checksum in every}) != 1:
-        raise ValueError(_NOT_THE_SAME)
-    sizes = [n for n, _ in every]
+    sizes = [n for n, in _gathered_alike(layout, [local_n], group, params[0].device)]
     global_n = sum(sizes)
     info = {}  # the global batch's entries
 
@@ -303,10 +299,7 @@ def agreed_by_ranks(reached, complete, dropped, params, group):
         ValueError: On every rank, if the ranks track different parameters (checked first: the
             flags' buffers must have one size everywhere).
     """
-    shapes = zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
-    header = torch.tensor([len(params), shapes], dtype=torch.int64, device=params[0].device)
-    if len({tuple(row) for row in _all_gather(header, group).tolist()}) != 1:
-        raise ValueError(_NOT_THE_SAME)
+    _gathered_alike([tuple(p.shape) for p in params], [], group, params[0].device)
     mine = torch.zeros(2, len(params) + 1, dtype=torch.int32, device=params[0].device)
     mine[0, sorted(reached)] = 1
     mine[1, sorted(complete)] = 1
@@ -314,6 +307,21 @@ def agreed_by_ranks(reached, complete, dropped, params, group):
     every = _all_gather(mine, group)
     anywhere, everywhere = every[:, 0].amax(0), every[:, 1, :-1].amin(0)
     return set(anywhere[:-1].nonzero().flatten().tolist()), set(everywhere.nonzero().flatten().tolist()), bool(anywhere[-1])
+
+
+def _gathered_alike(layout, values, group, device):
+    """``values`` (integers) of every rank, in rank order, from ranks whose ``layout`` (what the
+    buffers exchanged next are laid out by) is alike: its checksum travels with them.
+
+    Raises:
+        ValueError: On every rank, if some rank's layout differs (misaligned buffers are never
+            exchanged).
+    """
+    mine = torch.tensor([*values, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device)
+    every = _all_gather(mine, group).tolist()
+    if len({row[-1] for row in every}) != 1:
+        raise ValueError(_NOT_THE_SAME)
+    return [row[:-1] for row in every]
 
 
 def _all_gather(tensor, group):
