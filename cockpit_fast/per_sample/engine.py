@@ -272,10 +272,10 @@ class Engine:
         of their modules whose sizes cannot tell (:attr:`Capture.layouts`): by the proof (but
         ``mixed``), or where it did not run (None), by their sizes alone (not guessed)."""
         for call in calls:
-            found = call not in mixed if mixed is not None else not call.layout_guessed
-            if call.layout_found and found:
-                found = self.capture.layouts.get(call.module, frozenset())
-                self.capture.layouts[call.module] = found | {call.sample_dim}
+            proven = call not in mixed if mixed is not None else not call.layout_guessed
+            if call.layout_found and proven:
+                known = self.capture.layouts.get(call.module, frozenset())
+                self.capture.layouts[call.module] = known | {call.sample_dim}
 
     def _share(self, calls, root, batch_size, handles):
         """Takes apart ``calls`` made once for every sample where their output is broadcast
