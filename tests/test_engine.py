@@ -421,6 +421,46 @@ def test_the_whole_graphs_passes_hold_a_chunk_bounded_by_the_activations_and_sta
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
 
 
+class _NumpyTanh(torch.autograd.Function):
+    """tanh whose backward runs in NumPy, as a user's own op may: vmap cannot batch it (as it
+    cannot cuDNN's recurrent backward, which a GPU's GRU and LSTM run)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch.from_numpy(grad.detach().numpy() * (1 - y.detach().numpy() ** 2))
+
+
+def test_the_whole_graph_through_an_op_vmap_cannot_batch_takes_one_sample_a_pass():
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn, self.head = nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.bn(_NumpyTanh.apply(self.lin(x))))
+
+    model = Model().double()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    with pytest.warns(RuntimeWarning, match=r"\(lin.weight, lin.bias\) take the whole-graph route"):
+        training_step(model, None, (x, y), lambda out, labels: F.cross_entropy(out, labels, reduction="none"), cockpit=cockpit)
+    assert cockpit.routes()["lin.weight"] == "whole graph"
+    twin = copy.deepcopy(model)  # the oracle: one backward pass per sample through the batch's forward pass
+    losses = F.cross_entropy(twin(x), y, reduction="none")
+    g = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(loss, list(twin.parameters()), retain_graph=True)]) for loss in losses])
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-10)
+
+
 def test_lora_tracks_the_trainable_parameters_and_says_so_once():
     peft = pytest.importorskip("peft")
     model, batch, losses_of = build("hf_gpt2", torch.float64)

@@ -159,23 +159,30 @@ def whole_graph_grads(losses, params, scale, activations=0):
     chunk: ``activations``, the values of the graph's activations (as far as the caller knows
     them), bounds the chunk with the parameters' values (one sample a pass where they are large:
     on the CPU one pass a sample is also the faster: 0.55x the time of 32 at once for a small
-    batch-norm CNN, benchmarks/RESULTS.md)."""
+    batch-norm CNN, benchmarks/RESULTS.md). A graph that holds an op the batched pass cannot
+    run (cuDNN's recurrent backward has no batching rule) takes one sample a pass."""
     refuse_reentrant_checkpoints(losses)
     n = losses.shape[0]
     out = [p.new_empty(n, *p.shape) for p in params]
     size = samples_per_chunk(sum(p.numel() for p in params) + activations)
-    for start in range(0, n, size):
+    start = 0
+    while start < n:
         stop = min(n, start + size)
         rows = scale * torch.eye(n, dtype=losses.dtype, device=losses.device)[start:stop]
         if stop - start == 1:  # a plain backward pass: a batched one of one sample takes 1.2x its time
             grads = torch.autograd.grad(losses, params, grad_outputs=rows[0], retain_graph=True, allow_unused=True)
             grads = [None if g is None else g.unsqueeze(0) for g in grads]
         else:
-            grads = torch.autograd.grad(
-                losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True
-            )
+            try:
+                grads = torch.autograd.grad(
+                    losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True
+                )
+            except RuntimeError:  # an op that vmap cannot batch: one sample a pass from here on
+                size = 1
+                continue
         for values, g in zip(out, grads):
             values[start:stop] = 0 if g is None else g
+        start = stop
     return {id(p): DenseGrads(values) for p, values in zip(params, out)}
 
 
