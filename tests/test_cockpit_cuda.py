@@ -1,5 +1,6 @@
 """Tracked steps on a GPU: no host synchronisation inside the step, and the same numbers as on the CPU."""
 
+import copy
 from contextlib import contextmanager
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from backpack import extend
 
 from cockpit_fast.cockpit import Cockpit
-from cockpit_fast.quantities import GradHist2d
+from cockpit_fast.quantities import GradHist2d, NormTest
 from cockpit_fast.utils.configuration import configuration
 from cockpit_fast.utils.training import training_step
 from test_cockpit_core import assert_same_output
@@ -90,3 +91,52 @@ def test_a_language_models_tracked_steps_do_not_synchronise(bf16):
     assert sorted(output) == [0, 1, 2] and all(row["NormTest"] > 0 for row in output.values())
     # bf16's rounding inside a layer is no sign of a use outside it (every Conv1D bias took the whole graph on an H200).
     assert not [name for name, route in cockpit.routes().items() if "whole" in route]
+
+
+class _GRUClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru, self.head = torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+TF32_MODELS = {  # (model, input shape); TF32 as PyTorch leaves it (cuDNN's on), or matrix products' "high"
+    "conv": (lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 5)
+    ), (3, 16, 16)),
+    "gru": (_GRUClassifier, (12, 8)),
+    "linear_high": (lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5)), (64,)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TF32_MODELS))
+def test_layers_computing_in_tf32_keep_their_rules_and_match_the_oracle(family):
+    """cuDNN's convolutions and recurrent layers multiply float32 in TF32 by default: their
+    parameters' gradients are rounded to 2^-10, which the sum check read as a use outside the
+    layer (the first convolution of a CNN and of ViT, and GRUs, took the whole graph on an H200)."""
+    import torch.nn.functional as F
+    from any_models import flat, oracle_grads
+
+    make, shape = TF32_MODELS[family]
+    torch.manual_seed(0)
+    model = make()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, *shape, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if family == "linear_high" else "highest")
+    try:
+        gpu = model.cuda()
+        cockpit = Cockpit(gpu.parameters(), quantities=[NormTest(lambda step: True)])
+        losses = F.cross_entropy(gpu(x.cuda()), y.cuda(), reduction="none")
+        with cockpit(0, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert not [name for name, route in cockpit.routes().items() if "whole" in route]
+    twin = copy.deepcopy(model).cpu().double()
+    g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
+    n, mean = g.shape[0], g.mean(0)
+    expected = float((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt())
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-2)

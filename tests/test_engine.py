@@ -237,6 +237,59 @@ def test_samples_that_interact_under_bf16_autocast_take_the_whole_graph():
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.02)
 
 
+class _RoundsItsOwnWay(torch.autograd.Function):
+    """The identity, whose backward pass rounds otherwise in each pass, as kernels with atomic
+    adds do on a GPU (bf16 attention: 1e-4 of the absolute sums): the k-th pass scales the
+    gradient by 1 + (k % 3) * 2^-12."""
+
+    passes = 0
+    generate_vmap_rule = True  # (the oracle's torch.func)
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RoundsItsOwnWay.passes += 1
+        return grad * (1 + (_RoundsItsOwnWay.passes % 3) * 2.0**-12)
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_kernels_that_round_otherwise_in_each_pass_are_not_samples_that_interact(centered):
+    """The proof allows what a repeated pass deviates by: layers upstream of such a kernel keep
+    their rules (every one took the whole graph), samples that interact are still found."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            h = h - h.mean(0, keepdim=True) if centered else h
+            return self.head(_RoundsItsOwnWay.apply(torch.tanh(h)).mean(1))
+
+    model = Model()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, 5, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY)])
+    routes = cockpit.routes()
+    if centered:
+        assert routes["lin.weight"] == "whole graph" and any("lin.weight" in str(w.message) for w in caught)
+    else:
+        assert set(routes.values()) == {"module-local: Linear rule"}
+    g = _oracle(model, x, y)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=2e-3)
+
+
 def test_float16_gradients_among_its_subnormals_keep_the_layers_rules():
     """float16's subnormals (below 6e-5) round a gradient scaled by a power of two otherwise: the
     proof holds float16 calls to their own rounding (float32's sent this MLP to the whole graph)."""
