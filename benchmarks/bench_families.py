@@ -29,7 +29,11 @@ blocks in its heap: 40 to 100 MiB more resident after a step, plain or tracked, 
 
 Timings on a shared machine are noisy: the ratios, taken pair by pair, are the figures to read.
 
-Usage: ``python benchmarks/bench_families.py [--quick] [--threads 1 2] [--only NAME ...] [--vocab V]``
+With ``--device cuda`` the models and batches live on the GPU, each timed step ends with a
+synchronisation, and "mem x" is the growth of the peak of ``torch.cuda.max_memory_allocated``.
+
+Usage: ``python benchmarks/bench_families.py [--quick] [--threads 1 2] [--only NAME ...] [--vocab V]
+[--device cuda]``
 """
 
 import argparse
@@ -136,14 +140,14 @@ class MoELanguageModel(nn.Module):
 
 
 class Autocast(nn.Module):
-    """``model``'s forward pass under CPU bfloat16 autocast, its logits back in float32."""
+    """``model``'s forward pass under bfloat16 autocast, its logits back in float32."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return self.model(x).float()
 
 
@@ -230,12 +234,13 @@ FAMILIES = {
 }
 
 
-def build(name, vocab):
-    """Model, batch and per-sample loss of family ``name``, the same in every process."""
+def build(name, vocab, device="cpu"):
+    """Model, batch and per-sample loss of family ``name`` on ``device``, the same in every process."""
     make_model, make_batch, losses = FAMILIES[name]
     torch.manual_seed(0)
-    model = make_model(vocab)
-    return model, make_batch(vocab, torch.Generator().manual_seed(1)), losses
+    model = make_model(vocab).to(device)
+    batch = tuple(tensor.to(device) for tensor in make_batch(vocab, torch.Generator().manual_seed(1)))
+    return model, batch, losses
 
 
 def stepper(model, batch, losses, tracked):
@@ -251,8 +256,11 @@ def stepper(model, batch, losses, tracked):
 
 
 def seconds(step, i):
+    synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None
+    synchronize()
     start = time.perf_counter()
     step(i)
+    synchronize()  # the GPU's work counted, not only its launches
     return time.perf_counter() - start
 
 
@@ -262,9 +270,9 @@ def routes_summary(cockpit):
     return ", ".join(f"{count} {route}" for route, count in counts.most_common())
 
 
-def time_family(name, vocab, repeats, warmup):
+def time_family(name, vocab, repeats, warmup, device):
     """First tracked step (s), plain and tracked seconds of each interleaved pair, routes."""
-    model, batch, losses = build(name, vocab)
+    model, batch, losses = build(name, vocab, device)
     plain_step, _ = stepper(model, batch, losses, tracked=False)
     tracked_step, cockpit = stepper(copy.deepcopy(model), batch, losses, tracked=True)
     plain_step(0)
@@ -285,23 +293,32 @@ def time_family(name, vocab, repeats, warmup):
     return first, plain, tracked, routes
 
 
-def measure_memory_here(name, variant, vocab):
-    """Prints the peak RSS growth (MiB) of building family ``name`` and running its first step
-    and ``MEMORY_STEPS`` more, plain or tracked (``variant``); run in a fresh process."""
+def memory_growth_here(name, variant, vocab, device):
+    """The peak memory growth (MiB; resident set on the CPU, allocated on the GPU) of building
+    family ``name`` and running its first step and ``MEMORY_STEPS`` more, plain or tracked
+    (``variant``); on the CPU only exact in a fresh process."""
     warnings.simplefilter("ignore")
-    build(name, vocab)  # a throwaway build first: the modules it imports lazily are not counted
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets the peak (VmHWM) to the current resident size (Linux >= 4.0)
-    before = _status_kib("VmRSS")
-    model, batch, losses = build(name, vocab)
+    build(name, vocab, device)  # a throwaway build first: the modules it imports lazily are not counted
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 1024
+    else:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets the peak (VmHWM) to the current resident size (Linux >= 4.0)
+        before = _status_kib("VmRSS")
+    model, batch, losses = build(name, vocab, device)
     step, _ = stepper(model, batch, losses, tracked=variant == "tracked")
     for i in range(1 + MEMORY_STEPS):
         step(i)
-    print((_status_kib("VmHWM") - before) / 1024)
+    peak = torch.cuda.max_memory_allocated() / 1024 if device == "cuda" else _status_kib("VmHWM")
+    return (peak - before) / 1024
 
 
-def peak_growth_mib(name, variant, vocab, threads):
-    """Peak RSS growth (MiB) of ``variant`` of family ``name``, measured in a fresh process."""
+def peak_growth_mib(name, variant, vocab, threads, device):
+    """Peak memory growth (MiB) of ``variant`` of family ``name``: on the CPU measured in a fresh
+    process, on the GPU here (the allocator counts live tensors alone)."""
+    if device == "cuda":
+        return memory_growth_here(name, variant, vocab, device)
     child = subprocess.run(
         [sys.executable, __file__, "--memory-of", name, variant, "--vocab", str(vocab)],
         capture_output=True, text=True,
@@ -328,6 +345,7 @@ def main():
     )
     parser.add_argument("--vocab", type=int, default=1024, help="language models' vocabulary; default 1024")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved pairs timed; default 15 (quick: 3)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--memory-of", nargs=2, metavar=("NAME", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the engine's notices of whole-graph routes: the routes column says it
@@ -335,14 +353,17 @@ def main():
 
     transformers.logging.set_verbosity_error()  # GPT-2's config names its own vocabulary's end token
     if args.memory_of:
-        return measure_memory_here(*args.memory_of, args.vocab)
+        return print(memory_growth_here(*args.memory_of, args.vocab, "cpu"))
     repeats = args.repeats or (3 if args.quick else 15)
     warmup = 1 if args.quick else 3
 
-    print(f"torch {torch.__version__}, fused ops: {cockpit_fast.has_extension()}, load average {os.getloadavg()}")
+    device = args.device
+    on = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    peak = "allocated" if device == "cuda" else "RSS"
+    print(f"torch {torch.__version__} on {on}, fused ops: {cockpit_fast.has_extension()}, load {os.getloadavg()}")
     print(
         f"N = {N} ({MLP_N} for the MLPs), T = {TOKENS}, vocabulary {args.vocab}; economy configuration; "
-        f"{warmup} warm-up steps, median of {repeats} interleaved pairs; mem x: peak RSS growth, tracked / plain\n"
+        f"{warmup} warm-up steps, median of {repeats} interleaved pairs; mem x: peak {peak} growth, tracked / plain\n"
     )
     header = (
         f"{'family':19} {'thr':>3} {'first ms':>9} {'plain ms':>9} {'tracked ms':>10} {'ratio':>6} {'spread':>11}"
@@ -354,14 +375,16 @@ def main():
         torch.set_num_threads(threads)
         for name in args.only or FAMILIES:
             try:
-                first, plain, tracked, routes = time_family(name, args.vocab, repeats, warmup)
+                first, plain, tracked, routes = time_family(name, args.vocab, repeats, warmup, device)
             except Exception as error:  # noqa: BLE001 (a family that fails is reported, the run goes on)
                 print(f"{name:19} {threads:3} ERROR {first_line(error)}", flush=True)
                 continue
             ratios = [t / p for p, t in zip(plain, tracked)]
             plain_ms, tracked_ms = 1e3 * statistics.median(plain), 1e3 * statistics.median(tracked)
             try:
-                growth = [peak_growth_mib(name, variant, args.vocab, threads) for variant in ("tracked", "plain")]
+                growth = [
+                    peak_growth_mib(name, variant, args.vocab, threads, device) for variant in ("tracked", "plain")
+                ]
                 mem = f"{growth[0] / growth[1]:6.2f}"
             except Exception as error:  # noqa: BLE001
                 mem = f"{'err':>6}"
