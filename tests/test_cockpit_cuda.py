@@ -140,3 +140,22 @@ def test_layers_computing_in_tf32_keep_their_rules_and_match_the_oracle(family):
     n, mean = g.shape[0], g.mean(0)
     expected = float((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt())
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_a_recurrent_layer_tracked_on_the_cpu_then_on_the_gpu_keeps_its_rule():
+    """What a module's own nodes compute in is read once per device: a GRU's first call on the
+    CPU has none of cuDNN's, its calls on the GPU do (TF32)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _GRUClassifier()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(lambda step: True)])
+    gen = torch.Generator().manual_seed(1)
+    for step, device in enumerate(["cpu", "cuda"]):
+        model.to(device)
+        x, y = torch.randn(16, 12, 8, generator=gen).to(device), torch.randint(0, 5, (16,), generator=gen).to(device)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        model.zero_grad()
+        assert not [name for name, route in cockpit.routes().items() if "whole" in route], device

@@ -290,6 +290,35 @@ def test_kernels_that_round_otherwise_in_each_pass_are_not_samples_that_interact
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=2e-3)
 
 
+def test_a_random_draw_in_the_backward_pass_does_not_turn_the_proof_off():
+    """Dropout recomputed by a checkpoint without its random state deviates by about 1 from one
+    pass to the next: not rounding. The Linear upstream of a batch norm still takes the whole
+    graph (it kept its rule, 87% off, when that deviation loosened every call's proof)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn, self.head = nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+            self.a, self.drop, self.b = nn.Linear(5, 16), nn.Dropout(0.5), nn.Linear(16, 3)
+
+        def aux(self, x):
+            return self.b(self.drop(torch.tanh(self.a(x))))
+
+        def forward(self, x):  # the checkpointed branch never reaches lin
+            aux = checkpoint(self.aux, x, use_reentrant=False, preserve_rng_state=False)
+            return self.head(torch.relu(self.bn(self.lin(x)))) + aux
+
+    model = Model()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 5, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    with pytest.warns(RuntimeWarning, match="lin.weight"):
+        cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY)])
+    assert cockpit.routes()["lin.weight"] == "whole graph"
+
+
 def test_float16_gradients_among_its_subnormals_keep_the_layers_rules():
     """float16's subnormals (below 6e-5) round a gradient scaled by a power of two otherwise: the
     proof holds float16 calls to their own rounding (float32's sent this MLP to the whole graph)."""

@@ -10,6 +10,7 @@
 """
 
 import contextlib
+import warnings
 
 import torch
 from backpack import hook_store_io as backpack_store_io
@@ -177,7 +178,13 @@ def whole_graph_grads(losses, params, scale, activations=0):
                 grads = torch.autograd.grad(
                     losses, params, grad_outputs=rows, is_grads_batched=True, retain_graph=True, allow_unused=True
                 )
-            except RuntimeError:  # an op that vmap cannot batch: one sample a pass from here on
+            except RuntimeError as error:  # an op that vmap cannot batch: one sample a pass from here on
+                warnings.warn(
+                    f"cockpit_fast: the whole graph's batched backward pass failed ({type(error).__name__}: "
+                    f"{(str(error).splitlines() or [''])[0]}); one backward pass per sample instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 size = 1
                 continue
         for values, g in zip(out, grads):
