@@ -41,7 +41,7 @@ class Call:
         outputs (list[torch.Tensor]): Its tensor outputs that require grad.
     """
 
-    def __init__(self, module, params, direct, args, kwargs, outputs, time_first=False):
+    def __init__(self, module, params, direct, args, kwargs, outputs, time_first=False, inferred=False, unknown=False, guessed=False):
         self.module, self.params, self.direct = module, params, direct
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
@@ -69,9 +69,9 @@ class Call:
         self.spent = False  # a tracked backward pass went through it: no later step's
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
-        self.layout_inferred = False  # its sample dimension read from sizes (or the proof): no batch_first said it
-        self.layout_unknown = False  # as many positions as samples, of a module found both ways
-        self.layout_guessed = False  # as many positions as samples, of a module never found either way
+        self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
+        self.layout_unknown = unknown  # as many positions as samples, of a module found both ways
+        self.layout_guessed = guessed  # as many positions as samples, of a module never found either way
         first_input = next((a for a in args if isinstance(a, torch.Tensor)), None)
         # Where its rows came from (routed tokens, flattened ones): routed.regroup reads it.
         has_graph = first_input is not None and first_input.grad_fn is not None
@@ -98,7 +98,7 @@ class Call:
         output holds ``n`` along both (as many positions as samples, T == N) and neither its
         module nor a caller says (``batch_first``)."""
         shape = self.output_shapes[0]
-        return self.layout_found and self.sample_dim == 0 and not self.packed and shape[0] == shape[1] == n
+        return self.layout_found and self.sample_dim == 0 and not self.packed and _as_many_positions_as_samples(shape, n)
 
     def take_time_first(self):
         """Take the call's samples along dimension 1 (:meth:`may_be_time_first`)."""
@@ -191,6 +191,12 @@ def _in_narrowest_dtype(args, grads):
         return args, grads
     cast = lambda t: t.to(narrowest) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     return tuple(cast(a) for a in args), [cast(g) for g in grads]
+
+
+def _as_many_positions_as_samples(shape, n):
+    """Whether an output of ``shape`` holds ``n`` along its first two dimensions besides its
+    features (T == N): its sizes cannot tell where its samples are."""
+    return len(shape) > 2 and shape[0] == shape[1] == n
 
 
 def least_precise(dtypes):
@@ -392,14 +398,13 @@ class Capture:
             # feed-forward); the proof of the first step confirms it. (Not (rows, features):
             # routed tokens' rows with as many features as samples.)
             time_first = True
-        elif inferred and outputs[0].dim() > 2 and outputs[0].shape[0] == self._batch == outputs[0].shape[1]:
+        elif inferred and _as_many_positions_as_samples(outputs[0].shape, self._batch):
             # As many positions as samples (T == N): as the module's calls were found before;
             # a guess (batch first) where they never were.
             found = self.layouts.get(module)
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
-        call = Call(module, params, direct, args, kwargs, outputs, time_first)
-        call.layout_inferred, call.layout_unknown, call.layout_guessed = inferred, layout_unknown, layout_guessed
+        call = Call(module, params, direct, args, kwargs, outputs, time_first, inferred, layout_unknown, layout_guessed)
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)

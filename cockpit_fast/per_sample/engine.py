@@ -183,7 +183,7 @@ class Engine:
                     "another module's forward, say). Hand in info['individual_losses'] with their graph (they "
                     "then take the exact route through the whole graph), or track without them"
                 )
-            self._learn_layouts([call for call, _ in fired])
+            self._learn_layouts([call for call, _ in fired if not call.layout_guessed])
             # (A guess stays unchecked: the next step with individual losses proves it.)
             self._checked.update(call.module for call, _ in fired if not call.layout_guessed)
         self._record_routes(fired, step.forms, found)
@@ -245,7 +245,7 @@ class Engine:
                 call.take_time_first()
             if not flipped and not any(call.shared for call in unsure):  # none to check again
                 break
-        self._learn_layouts(calls, mixed)
+        self._learn_layouts([call for call in calls if call not in mixed])
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
@@ -267,13 +267,12 @@ class Engine:
         self._record_routes(fired, whole, found)
         return forms
 
-    def _learn_layouts(self, calls, mixed=None):
-        """Remember where the checked ``calls`` were found to hold their samples, for later calls
-        of their modules whose sizes cannot tell (:attr:`Capture.layouts`): by the proof (but
-        ``mixed``), or where it did not run (None), by their sizes alone (not guessed)."""
-        for call in calls:
-            proven = call not in mixed if mixed is not None else not call.layout_guessed
-            if call.layout_found and proven:
+    def _learn_layouts(self, proven):
+        """Remember where the ``proven`` calls (by the proof, or where it did not run by their
+        sizes, not guessed) were found to hold their samples, for later calls of their modules
+        whose sizes cannot tell (:attr:`Capture.layouts`)."""
+        for call in proven:
+            if call.layout_found:
                 known = self.capture.layouts.get(call.module, frozenset())
                 self.capture.layouts[call.module] = known | {call.sample_dim}
 
