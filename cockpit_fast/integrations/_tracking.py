@@ -130,10 +130,11 @@ class Runs:
     Args:
         logpath (str, optional): The first run's log.
         quantities (list or str): The callback's quantities, or a configuration label.
+        max_kept_bytes (int, optional): Each run's cockpit's (:func:`make_cockpit`).
     """
 
-    def __init__(self, logpath, quantities):
-        self.base_logpath, self._given = logpath, quantities
+    def __init__(self, logpath, quantities, max_kept_bytes=None):
+        self.base_logpath, self._given, self._max_kept_bytes = logpath, quantities, max_kept_bytes
         self.earlier = []  # each earlier run's output, Cockpit.get_output()
         try:  # (before any run changes them)
             self._unused = quantities if isinstance(quantities, str) else _copied(list(quantities))
@@ -158,25 +159,23 @@ class Runs:
         return _copied(self._unused)
 
     def next(self, cockpit, model, resumed, step, started):
-        """Whether a ``train()``/``fit()`` (``started``, for the warning) on ``model`` at the
-        trainer's ``step`` (``resumed``: from a checkpoint) needs a new cockpit instead of
-        ``cockpit`` (None: none yet). A new run says so."""
-        if cockpit is None:
-            return True
-        held = {id(p) for p in model.parameters()}
-        if all(id(p) in held for p in cockpit.params) and (resumed or step > 0):  # the same run goes on
-            return False
-        cockpit.stop_watching()
-        if resumed:  # another model going on from a checkpoint: its run, restored into a new cockpit
-            return True
-        self.earlier.append(cockpit.get_output())
-        log = "" if self.logpath is None else f", its log goes to {self.logpath}.json"
-        warnings.warn(
-            f"CockpitCallback: {started} again from step 0: a new cockpit tracks this run{log}; the earlier "
-            "runs' outputs stay in callback.earlier_outputs",
-            stacklevel=4,
-        )
-        return True
+        """The new cockpit of ``model`` that a ``train()``/``fit()`` (``started``, for the warning)
+        at the trainer's ``step`` (``resumed``: from a checkpoint) needs instead of ``cockpit``
+        (None: none yet), or None where the run goes on. A new run says so."""
+        if cockpit is not None:
+            held = {id(p) for p in model.parameters()}
+            if all(id(p) in held for p in cockpit.params) and (resumed or step > 0):  # the same run goes on
+                return None
+            cockpit.stop_watching()
+            if not resumed:  # (another model going on from a checkpoint: its run, restored into the new cockpit)
+                self.earlier.append(cockpit.get_output())
+                log = "" if self.logpath is None else f", its log goes to {self.logpath}.json"
+                warnings.warn(
+                    f"CockpitCallback: {started} again from step 0: a new cockpit tracks this run{log}; the earlier "
+                    "runs' outputs stay in callback.earlier_outputs",
+                    stacklevel=4,
+                )
+        return make_cockpit(model, self.quantities(), self._max_kept_bytes, self.logpath)
 
 
 def _copied(quantities):
@@ -228,9 +227,9 @@ def lightning_callback(base, module):
             max_kept_bytes=None, per_parameter=False,
         ):
             self.plot, self.per_parameter = plot, per_parameter
-            self.losses_attribute, self.max_kept_bytes = losses_attribute, max_kept_bytes
+            self.losses_attribute = losses_attribute
             self.cockpit = None
-            self._runs = Runs(logpath, quantities)
+            self._runs = Runs(logpath, quantities, max_kept_bytes)
             self._steps = self._logger = None
             self._restored = None  # a checkpoint's cockpit state, until the cockpit is made
             self._stage = None  # the trainer's stage ("fit", "validate", ...) from setup to teardown
@@ -238,8 +237,9 @@ def lightning_callback(base, module):
 
         def on_fit_start(self, trainer, pl_module):
             # (Not in setup(): configure_model, after it, may shard the parameters, FSDP2's fully_shard.)
-            if self._runs.next(self.cockpit, pl_module, self._restored is not None, trainer.global_step, "fit()"):
-                self.cockpit = make_cockpit(pl_module, self._runs.quantities(), self.max_kept_bytes, self._runs.logpath)
+            cockpit = self._runs.next(self.cockpit, pl_module, self._restored is not None, trainer.global_step, "fit()")
+            if cockpit is not None:
+                self.cockpit = cockpit
                 self._steps = TrainerSteps(self.cockpit)
                 # pl_module.log reaches every logger of the trainer, at the step being taken.
                 log = lambda step, scalars: pl_module.log_dict(scalars, on_step=True, on_epoch=False)  # noqa: E731

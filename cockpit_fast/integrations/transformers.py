@@ -35,7 +35,6 @@ from cockpit_fast.integrations._tracking import (
     Runs,
     TrainerSteps,
     latest_scalars,
-    make_cockpit,
     sample_losses,
     write_results,
 )
@@ -69,18 +68,18 @@ class CockpitCallback(TrainerCallback):
     """
 
     def __init__(self, quantities="economy", logpath=None, plot=True, max_kept_bytes=None, per_parameter=False):
-        self.plot, self.max_kept_bytes = plot, max_kept_bytes
-        self.per_parameter = per_parameter
+        self.plot, self.per_parameter = plot, per_parameter
         self.cockpit = None
-        self._runs = Runs(logpath, quantities)
+        self._runs = Runs(logpath, quantities, max_kept_bytes)
         self._steps = self._hook = self._trainer = self._args = None
         self._logging = False  # inside our own trainer.log: its on_log is ours to pass
         self._logged_through = None  # the newest tracked step logged
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._trainer, resumed_from = _calling_trainer()
-        if self._runs.next(self.cockpit, model, resumed_from is not None, state.global_step, "train()"):
-            self.cockpit = make_cockpit(model, self._runs.quantities(), self.max_kept_bytes, self._runs.logpath)
+        cockpit = self._runs.next(self.cockpit, model, resumed_from is not None, state.global_step, "train()")
+        if cockpit is not None:
+            self.cockpit = cockpit
             self._steps, self._logged_through = TrainerSteps(self.cockpit), None
             if self._hook is not None:  # on the last run's model
                 self._hook.remove()
