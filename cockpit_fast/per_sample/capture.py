@@ -566,10 +566,9 @@ def _deviating(reference, weighted, weights, noise=0.0):
     """The calls of ``reference`` (``(call, fingerprints)``) whose fingerprints in ``weighted``
     are not theirs times ``weights`` within a few of float32's eps of the absolute sums (and
     ``NOISE_SLACK * noise``, a deviation relative to them)."""
-    seen = {id(call): prints for call, prints in weighted}
     deviating = []
-    for call, prints in reference:
-        for (g, eps), (h, _) in zip(prints, seen.get(id(call), [])):
+    for call, pairs in _side_by_side(reference, weighted):
+        for (g, eps), (h, _) in pairs:
             if g is None or h is None or g.shape != h.shape or g.shape[1] != weights.shape[0]:
                 if not (g is None and h is None):
                     deviating.append(call)
@@ -583,15 +582,22 @@ def _deviating(reference, weighted, weights, noise=0.0):
     return deviating
 
 
+def _side_by_side(reference, other):
+    """``(call, [(its fingerprint in reference, in other), ...])`` for each call of ``reference``
+    (``(call, fingerprints)`` of a pass), beside those of ``other``, another pass (none where it
+    did not reach the call)."""
+    seen = {id(call): prints for call, prints in other}
+    return [(call, list(zip(prints, seen.get(id(call), [])))) for call, prints in reference]
+
+
 def _deviations(reference, repeated):
     """``{id(call): deviation}``: the largest deviation of each call's fingerprints in
     ``repeated``, a pass of the same weights as ``reference``, relative to its absolute sums
     (0 where the kernels round alike)."""
-    seen = {id(call): prints for call, prints in repeated}
     deviations = {}
-    for call, prints in reference:
+    for call, pairs in _side_by_side(reference, repeated):
         largest = 0.0
-        for (g, _), (h, _) in zip(prints, seen.get(id(call), [])):
+        for (g, _), (h, _) in pairs:
             if g is not None and h is not None and g.shape == h.shape:
                 largest = max(largest, float(((h[:2] - g[:2]).abs() / (g[2] + 1e-30)).max()))
         deviations[id(call)] = largest

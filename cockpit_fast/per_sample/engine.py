@@ -183,9 +183,10 @@ class Engine:
                     "another module's forward, say). Hand in info['individual_losses'] with their graph (they "
                     "then take the exact route through the whole graph), or track without them"
                 )
-            self._learn_layouts([call for call, _ in fired if not call.layout_guessed])
-            # (A guess stays unchecked: the next step with individual losses proves it.)
-            self._checked.update(call.module for call, _ in fired if not call.layout_guessed)
+            # (A guess is neither learnt nor checked: the next step with individual losses proves it.)
+            unguessed = [call for call, _ in fired if not call.layout_guessed]
+            self._learn_layouts(unguessed)
+            self._checked.update(call.module for call in unguessed)
         self._record_routes(fired, step.forms, found)
         return {**found, **step.forms}
 
