@@ -91,8 +91,8 @@ class PerSampleGrads:
 
     keepable = False
     """Whether :class:`Kept` may keep the form itself: its gradients follow from the tensors it
-    holds alone (not from parameters' values or hooks, which change by a later step), and forming
-    them later takes no product over positions (outer products, embedding rows)."""
+    holds alone (not from parameters' values or hooks, which change by a later step), and its dot
+    products need no formed gradient (factors, embedding rows)."""
 
     computed_in = None
     """The least precise dtype the calls that made the form computed in (autocast's bfloat16,
@@ -239,9 +239,7 @@ class FactoredGrads(PerSampleGrads):
         """Whether each ``G_n`` is one outer product."""
         return self.positions == 1
 
-    @property
-    def keepable(self):
-        return self.is_outer_product
+    keepable = True
 
     @property
     def pays(self):
@@ -690,8 +688,7 @@ class Kept:
     @staticmethod
     def pays(form):
         """Whether ``form`` is :attr:`~PerSampleGrads.keepable` and holds its gradients in fewer
-        bytes than formed. (Factors over several positions are not: formed once more to be read,
-        a weight-gradient product a step where the step's statistics took them in one fused pass.)"""
+        bytes than formed."""
         if not form.keepable:
             return False
         tensors = held_tensors(form, cached=False)
@@ -707,9 +704,10 @@ class Kept:
         return cls([form for part in parts for form in part.forms])
 
     def dot(self, direction):
-        """(N,) ``<G_n, direction>``, from the gradients formed a chunk at a time: the same bits
-        as from the same forms a resumed run restores."""
-        return torch.cat([form.formed_dots(direction) for form in self.forms])
+        """(N,) ``<G_n, direction>``: in closed form where a form has one (a matrix product of
+        its factors, no gradient formed), else from its gradients formed a chunk at a time. A
+        resumed run restores the same forms, so it gets the same bits."""
+        return torch.cat([_closed_or_formed_dots(form, direction) for form in self.forms])
 
     def state(self):
         """Each form as it is kept, in dicts (``{"class": its name, **fields}``), lists and its
@@ -736,6 +734,11 @@ class Kept:
             return item
 
         return cls(form(state))
+
+
+def _closed_or_formed_dots(form, direction):
+    dots = form.dot(direction)
+    return form.formed_dots(direction) if dots is None else dots
 
 
 def _form_of(kind, fields):
