@@ -151,3 +151,88 @@ def test_alpha_with_adam_beside_a_histogram_matches_cockpit(route, chunks, monke
     assert sorted(step for step in actual if "Alpha" in actual[step]) == [0, 1, 2]
     assert_same_output(actual, expected, rtol=1e-3, atol=1e-5)
 
+
+class _Optimizers:
+    """Adam on the model's parameters, as one optimizer or two (each owning some of them, the
+    same updates: Adam updates each parameter alone), stepped ``steps_each`` times a step."""
+
+    def __init__(self, params, split, steps_each=1):
+        params = list(params)
+        groups = [params[:1], params[1:]] if split else [params]
+        self.parts = [torch.optim.Adam(group, lr=0.01) for group in groups]
+        self.steps_each = steps_each
+
+    def zero_grad(self):
+        for part in self.parts:
+            part.zero_grad()
+
+    def step(self):
+        for _ in range(self.steps_each):
+            for part in self.parts:
+                part.step()
+
+
+def _alpha_with_adam(split=False, steps_each=1, watch=None):
+    """Alpha over 3 steps of the sequence model with Adam; ``watch(cockpit, step)`` after each
+    optimizer step."""
+    torch.manual_seed(0)
+    model, input_shape = build_model("sequence")
+    opt = _Optimizers(model.parameters(), split, steps_each)
+    alpha = fast_quantities.Alpha(fast_schedules.linear(1))
+    cp = FastCockpit(model.parameters(), quantities=[alpha])
+    data = torch.Generator().manual_seed(1)
+    losses = torch.nn.CrossEntropyLoss(reduction="none")
+    for step in range(3):
+        batch = torch.randn(8, *input_shape, generator=data), torch.randint(0, 4, (8,), generator=data)
+        training_step(model, opt, batch, losses, cockpit=cp, step=step, drop_info=("optimizer",))
+        if watch is not None:
+            watch(alpha, step)
+    return cp.get_output()
+
+
+@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
+def test_with_adam_the_kept_individual_gradients_are_let_go_once_the_optimizer_steps():
+    """An optimizer owning every tracked parameter steps: the start's individual gradients are
+    projected then and let go, not held through the next step's forward and backward passes;
+    α is the one projecting them at the next step gives (two optimizers, each owning part of
+    the parameters: nothing watched steps all of them; Cockpit 1.0.2's values:
+    test_alpha_matches_cockpit)."""
+    held = {}
+
+    def watch(alpha, step):
+        held[step] = alpha._starts.get(step).grad_batch is not None
+
+    projected = _alpha_with_adam(watch=watch)
+    assert held == {0: False, 1: False, 2: False}
+    at_the_end = _alpha_with_adam(split=True, watch=watch)
+    assert held == {0: True, 1: True, 2: True}
+    assert sorted(projected) == [0, 1] and all(isinstance(projected[s]["Alpha"], float) for s in projected)
+    assert_same_output(projected, at_the_end, rtol=1e-12, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
+def test_an_optimizer_stepping_twice_between_tracked_steps_leaves_alpha_out_with_a_warning():
+    """The update from step t to t + 1 is then two steps, of which the individual gradients
+    were projected on the first: no α rather than a wrong one."""
+    with pytest.warns(UserWarning, match="parameters changed after the optimizer step that followed step 0"):
+        output = _alpha_with_adam(steps_each=2)
+    assert all("Alpha" not in output.get(step, {}) for step in range(3))
+
+
+class _AdamStepsThroughItsBase(torch.optim.Adam):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
+def test_an_optimizer_whose_step_calls_another_steps_once(monkeypatch):
+    """torch runs the step hooks around each patched class's step: a subclass calling Adam's
+    step runs them twice for one update, which is not a second update."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # Adam's own step patched too
+    alone = _alpha_with_adam()
+    monkeypatch.setattr(torch.optim, "Adam", _AdamStepsThroughItsBase)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", "No 'optimizer' handed in")
+        nested = _alpha_with_adam()
+    assert_same_output(nested, alone, rtol=1e-12, atol=0)

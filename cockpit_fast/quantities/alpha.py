@@ -1,10 +1,12 @@
 """Normalized step length α from a noise-aware quadratic fit along the update."""
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from cockpit_fast.fsdp import gathered
 from cockpit_fast.per_sample.grads import Kept
@@ -32,7 +34,9 @@ class Alpha(FastQuantity):
     gradients' projections on it are -lr times their dot products with that gradient (the
     statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For
     other optimizers (or none handed in via ``info['optimizer']``, which warns) the parameters
-    and individual gradients of step t are kept until step t + 1 reveals the update. Needs ``info`` entries
+    and individual gradients of step t are kept until the update is known: projected as soon as
+    an optimizer that owns every tracked parameter has stepped (the individual gradients are
+    then let go before the next forward pass), else at step t + 1. Needs ``info`` entries
     ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
     """
 
@@ -83,9 +87,18 @@ class Alpha(FastQuantity):
         step = ctx.global_step
         if self.is_end(step):
             start = self._starts.pop(step - self.SAVE_SHIFT)
+            if start is not None:
+                start.stop_watching()
             if start is not None and start.observation is not None:  # else its step failed
-                self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
-        self._starts.drop_before(step)
+                if start.moved_since_projected():
+                    warnings.warn(
+                        f"Alpha: the parameters changed after the optimizer step that followed step {step - 1} "
+                        f"(a second step, or a change by hand): no α for step {step - 1}"
+                    )
+                else:
+                    self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
+        for dropped in self._starts.drop_before(step):
+            dropped.stop_watching()
         if self.is_start(step):
             self._starts.get(step).observe(ctx, self)
 
@@ -146,6 +159,8 @@ class _KeptProjection(Projection):
     once_a_step = True  # all of the start's samples, whichever micro-batch of the end reads them
 
     def from_grad_batch(self, hot):
+        if self.start.kept_dots is not None:  # projected when the optimizer stepped
+            return self.start.kept_dots[hot.index]
         return self.start.grad_batch[hot.index].dot(self.direction(hot))
 
     def from_form(self, form, hot):
@@ -173,12 +188,46 @@ class _StartPoint:
         self.observation = None  # set once the start step is tracked
         self.params = None
         self.grad_batch = None
+        self.kept_dots = None  # grad_batch projected on the update, once the optimizer stepped
+        self.fingerprints = None  # of that update, to tell whether the end sees the same
+        self._tracked = None  # the parameters, while an optimizer's step is awaited
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
         if not self.sgd:
             self.directions[hot.index] = hot.param.detach() - self.params[hot.index]
         return self.directions[hot.index]
+
+    def _watch_optimizer(self, params):
+        """Project the kept individual gradients on the update as soon as an optimizer owning
+        every parameter of ``params`` has stepped (:func:`_optimizer_stepped`): they need not be
+        held through the next step's forward and backward passes."""
+        self._tracked = params
+        _watch_optimizer_steps()
+        _WAITING.add(self)
+
+    def optimizer_stepped(self, owned):
+        """An optimizer owning the parameters of ids ``owned`` has stepped."""
+        if self.grad_batch is None or not {id(p) for p in self._tracked} <= owned:
+            return  # projected already (a wrapper's step around the optimizer's), or not its optimizer
+        self.kept_dots, self.fingerprints = [], []
+        # (FSDP2's shards gathered, as the end's direction reads each parameter's values)
+        for i, value in gathered(p.detach() for p in self._tracked):
+            update = value - self.params[i]
+            self.kept_dots.append(self.grad_batch[i].dot(update))
+            self.fingerprints.append(_fingerprint(update))
+        self.grad_batch = None
+
+    def moved_since_projected(self):
+        """Whether the update the end reads differs from the one the kept individual gradients
+        were projected on (the optimizer stepped again, or the parameters were changed)."""
+        if self.fingerprints is None:
+            return False
+        return any(not torch.equal(_fingerprint(self.directions[i]), f) for i, f in enumerate(self.fingerprints))
+
+    def stop_watching(self):
+        """Stop watching the optimizer (the end has come, or will not)."""
+        _WAITING.discard(self)
 
     def observe(self, ctx, quantity):
         """Take the start's loss information and update (plain SGD's, -lr times the gradient)
@@ -194,6 +243,7 @@ class _StartPoint:
             # (FSDP2's shards gathered: the end's direction reads each parameter's values)
             self.params = [value.clone() for _, value in gathered(p.detach() for p in ctx.params)]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
+            self._watch_optimizer(ctx.params)
 
     def state_dict(self):
         """What the end needs, in plain types and CPU tensors (the learning rates served
@@ -206,11 +256,13 @@ class _StartPoint:
                 "observation": vars(self.observation) if observed else None,
                 "rank_sizes": self.rank_sizes if observed else None,
                 "params": self.params,
+                "fingerprints": self.fingerprints,
             }
         )
         # Kept individual gradients are this process's samples', in its share of the batch.
         state["rank_share"] = None if not observed else self.rank_share if self.sgd else this_process(self.rank_share)
         state["grad_batch"] = None if self.grad_batch is None else [this_process(kept.state()) for kept in self.grad_batch]
+        state["kept_dots"] = None if self.kept_dots is None else [this_process(dots) for dots in self.kept_dots]
         return state
 
     @classmethod
@@ -224,8 +276,39 @@ class _StartPoint:
             start.rank_sizes, start.rank_share = state["rank_sizes"], restored_state(state["rank_share"])
         if state["params"] is not None:
             start.params = restored_per_param(state["params"], params)
+        if state["grad_batch"] is not None:
             start.grad_batch = [Kept.from_state(kept) for kept in restored_per_param(state["grad_batch"], params)]
+        if state.get("kept_dots") is not None:
+            start.kept_dots = restored_per_param(state["kept_dots"], params)
+        if state.get("fingerprints") is not None:
+            start.fingerprints = restored_state(state["fingerprints"], params[0].device)
         return start
+
+
+def _fingerprint(update):
+    """Two numbers that tell one parameter's update from another (float64 sums of it and its squares)."""
+    wide = update.double()
+    return torch.stack([wide.sum(), wide.square().sum()])
+
+
+_WAITING = weakref.WeakSet()
+"""The starts whose update the next optimizer step makes (weakly: a cockpit let go takes its own)."""
+_watching = []
+
+
+def _watch_optimizer_steps():
+    """Register :func:`_optimizer_stepped` for every optimizer's steps, once a process."""
+    if not _watching:
+        _watching.append(register_optimizer_step_post_hook(_optimizer_stepped))
+
+
+def _optimizer_stepped(optimizer, args, kwargs):
+    """After any optimizer's step (a wrapper's, as Accelerate's or Lightning's, steps the one
+    it wraps, which this sees): the waiting starts whose parameters it owns take their update."""
+    if _WAITING:
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for start in list(_WAITING):
+            start.optimizer_stepped(owned)
 
 
 def _alpha(update_size, losses, projected_gradients, loss_variances, gradient_variances):

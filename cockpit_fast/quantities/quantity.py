@@ -368,9 +368,8 @@ class StepCache:
         return self._entries.pop(step, None)
 
     def drop_before(self, step):
-        """Forget values from steps before ``step`` (their partner step never came)."""
-        for old in [s for s in self._entries if s < step]:
-            del self._entries[old]
+        """Forget values from steps before ``step`` (their partner step never came); return them."""
+        return [self._entries.pop(old) for old in [s for s in self._entries if s < step]]
 
     def state_dict(self, save):
         """``{step: save(value)}`` of the values kept."""
