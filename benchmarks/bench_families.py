@@ -8,7 +8,7 @@ or 32x32 images (the MLPs: N = 128), width 128, language models over a vocabular
 ``--vocab`` tokens. Each step is ``cockpit_fast.utils.training.training_step``: forward, each
 sample's loss (next-token cross-entropy averaged over the sample's positions for language
 models, a seq2seq cross-entropy for T5, cross-entropy for classifiers), their mean, backward,
-SGD; the tracked step hands the cockpit ``info`` with batch_size, individual_losses, loss and
+an optimizer step (``--optimizer``: SGD by default, or AdamW); the tracked step hands the cockpit ``info`` with batch_size, individual_losses, loss and
 optimizer.
 
 Printed per family and thread count: the first tracked step (it runs the engine's checks), the
@@ -33,7 +33,7 @@ With ``--device cuda`` the models and batches live on the GPU, each timed step e
 synchronisation, and "mem x" is the growth of the peak of ``torch.cuda.max_memory_allocated``.
 
 Usage: ``python benchmarks/bench_families.py [--quick] [--threads 1 2] [--only NAME ...] [--vocab V]
-[--device cuda]``
+[--device cuda] [--optimizer sgd|adamw]``
 """
 
 import argparse
@@ -243,10 +243,17 @@ def build(name, vocab, device="cpu"):
     return model, batch, losses
 
 
-def stepper(model, batch, losses, tracked):
-    """``step(i)``: one SGD step of ``model`` on ``batch``, tracked by a cockpit with the
-    ``economy`` configuration if ``tracked``; returns the step and the cockpit (or None)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    # Alpha cannot know AdamW's update in the backward pass: it keeps the step's individual gradients
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+
+
+def stepper(model, batch, losses, tracked, optimizer="sgd"):
+    """``step(i)``: one ``optimizer`` step of ``model`` on ``batch``, tracked by a cockpit with
+    the ``economy`` configuration if ``tracked``; returns the step and the cockpit (or None)."""
+    optimizer = OPTIMIZERS[optimizer](model.parameters())
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy")) if tracked else None
 
     def step(i):
@@ -270,11 +277,11 @@ def routes_summary(cockpit):
     return ", ".join(f"{count} {route}" for route, count in counts.most_common())
 
 
-def time_family(name, vocab, repeats, warmup, device):
+def time_family(name, vocab, repeats, warmup, device, optimizer):
     """First tracked step (s), plain and tracked seconds of each interleaved pair, routes."""
     model, batch, losses = build(name, vocab, device)
-    plain_step, _ = stepper(model, batch, losses, tracked=False)
-    tracked_step, cockpit = stepper(copy.deepcopy(model), batch, losses, tracked=True)
+    plain_step, _ = stepper(model, batch, losses, tracked=False, optimizer=optimizer)
+    tracked_step, cockpit = stepper(copy.deepcopy(model), batch, losses, tracked=True, optimizer=optimizer)
     plain_step(0)
     first = seconds(tracked_step, 0)
     routes = routes_summary(cockpit)
@@ -293,7 +300,7 @@ def time_family(name, vocab, repeats, warmup, device):
     return first, plain, tracked, routes
 
 
-def memory_growth_here(name, variant, vocab, device):
+def memory_growth_here(name, variant, vocab, device, optimizer):
     """The peak memory growth (MiB; resident set on the CPU, allocated on the GPU) of building
     family ``name`` and running its first step and ``MEMORY_STEPS`` more, plain or tracked
     (``variant``); on the CPU only exact in a fresh process."""
@@ -307,20 +314,20 @@ def memory_growth_here(name, variant, vocab, device):
             clear.write("5")  # resets the peak (VmHWM) to the current resident size (Linux >= 4.0)
         before = _status_kib("VmRSS")
     model, batch, losses = build(name, vocab, device)
-    step, _ = stepper(model, batch, losses, tracked=variant == "tracked")
+    step, _ = stepper(model, batch, losses, tracked=variant == "tracked", optimizer=optimizer)
     for i in range(1 + MEMORY_STEPS):
         step(i)
     peak = torch.cuda.max_memory_allocated() / 1024 if device == "cuda" else _status_kib("VmHWM")
     return (peak - before) / 1024
 
 
-def peak_growth_mib(name, variant, vocab, threads, device):
+def peak_growth_mib(name, variant, vocab, threads, device, optimizer):
     """Peak memory growth (MiB) of ``variant`` of family ``name``: on the CPU measured in a fresh
     process, on the GPU here (the allocator counts live tensors alone)."""
     if device == "cuda":
-        return memory_growth_here(name, variant, vocab, device)
+        return memory_growth_here(name, variant, vocab, device, optimizer)
     child = subprocess.run(
-        [sys.executable, __file__, "--memory-of", name, variant, "--vocab", str(vocab)],
+        [sys.executable, __file__, "--memory-of", name, variant, "--vocab", str(vocab), "--optimizer", optimizer],
         capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
     )
@@ -346,6 +353,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=1024, help="language models' vocabulary; default 1024")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved pairs timed; default 15 (quick: 3)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd")
     parser.add_argument("--memory-of", nargs=2, metavar=("NAME", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the engine's notices of whole-graph routes: the routes column says it
@@ -353,7 +361,7 @@ def main():
 
     transformers.logging.set_verbosity_error()  # GPT-2's config names its own vocabulary's end token
     if args.memory_of:
-        return print(memory_growth_here(*args.memory_of, args.vocab, "cpu"))
+        return print(memory_growth_here(*args.memory_of, args.vocab, "cpu", args.optimizer))
     repeats = args.repeats or (3 if args.quick else 15)
     warmup = 1 if args.quick else 3
 
@@ -362,7 +370,7 @@ def main():
     peak = "allocated" if device == "cuda" else "RSS"
     print(f"torch {torch.__version__} on {on}, fused ops: {cockpit_fast.has_extension()}, load {os.getloadavg()}")
     print(
-        f"N = {N} ({MLP_N} for the MLPs), T = {TOKENS}, vocabulary {args.vocab}; economy configuration; "
+        f"N = {N} ({MLP_N} for the MLPs), T = {TOKENS}, vocabulary {args.vocab}; {args.optimizer}, economy configuration; "
         f"{warmup} warm-up steps, median of {repeats} interleaved pairs; mem x: peak {peak} growth, tracked / plain\n"
     )
     header = (
@@ -375,7 +383,7 @@ def main():
         torch.set_num_threads(threads)
         for name in args.only or FAMILIES:
             try:
-                first, plain, tracked, routes = time_family(name, args.vocab, repeats, warmup, device)
+                first, plain, tracked, routes = time_family(name, args.vocab, repeats, warmup, device, args.optimizer)
             except Exception as error:  # noqa: BLE001 (a family that fails is reported, the run goes on)
                 print(f"{name:19} {threads:3} ERROR {first_line(error)}", flush=True)
                 continue
@@ -383,7 +391,7 @@ def main():
             plain_ms, tracked_ms = 1e3 * statistics.median(plain), 1e3 * statistics.median(tracked)
             try:
                 growth = [
-                    peak_growth_mib(name, variant, args.vocab, threads, device) for variant in ("tracked", "plain")
+                    peak_growth_mib(name, variant, args.vocab, threads, device, args.optimizer) for variant in ("tracked", "plain")
                 ]
                 mem = f"{growth[0] / growth[1]:6.2f}"
             except Exception as error:  # noqa: BLE001
