@@ -84,3 +84,5 @@ if __name__ == "__main__":
         resume(sys.argv[1])
     else:
         main(sys.argv[1], "--one" in sys.argv)
+    if torch.distributed.is_initialized():  # else gloo's threads, torn down at exit, abort 1 run in 10
+        torch.distributed.destroy_process_group()
