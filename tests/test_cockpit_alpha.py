@@ -1,5 +1,6 @@
 """Alpha against Cockpit 1.0.2: in-backward projections for SGD, stored parameters otherwise."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ from backpack import extend
 from cockpit_fast import per_sample
 from cockpit_fast import quantities as fast_quantities
 from cockpit_fast.cockpit import Cockpit as FastCockpit
+from cockpit_fast.quantities import alpha as alpha_module
 from cockpit_fast.quantities.alpha import _alpha
 from cockpit_fast.utils import schedules as fast_schedules
 from cockpit_fast.utils.training import training_step
@@ -152,14 +154,15 @@ def test_alpha_with_adam_beside_a_histogram_matches_cockpit(route, chunks, monke
     assert_same_output(actual, expected, rtol=1e-3, atol=1e-5)
 
 
+
 class _Optimizers:
     """Adam on the model's parameters, as one optimizer or two (each owning some of them, the
     same updates: Adam updates each parameter alone), stepped ``steps_each`` times a step."""
 
-    def __init__(self, params, split, steps_each=1):
+    def __init__(self, params, split, steps_each=1, make=torch.optim.Adam):
         params = list(params)
         groups = [params[:1], params[1:]] if split else [params]
-        self.parts = [torch.optim.Adam(group, lr=0.01) for group in groups]
+        self.parts = [make(group, lr=0.01) for group in groups]
         self.steps_each = steps_each
 
     def zero_grad(self):
@@ -172,67 +175,104 @@ class _Optimizers:
                 part.step()
 
 
-def _alpha_with_adam(split=False, steps_each=1, watch=None):
-    """Alpha over 3 steps of the sequence model with Adam; ``watch(cockpit, step)`` after each
-    optimizer step."""
-    torch.manual_seed(0)
-    model, input_shape = build_model("sequence")
-    opt = _Optimizers(model.parameters(), split, steps_each)
-    alpha = fast_quantities.Alpha(fast_schedules.linear(1))
-    cp = FastCockpit(model.parameters(), quantities=[alpha])
-    data = torch.Generator().manual_seed(1)
-    losses = torch.nn.CrossEntropyLoss(reduction="none")
-    for step in range(3):
-        batch = torch.randn(8, *input_shape, generator=data), torch.randint(0, 4, (8,), generator=data)
-        training_step(model, opt, batch, losses, cockpit=cp, step=step, drop_info=("optimizer",))
-        if watch is not None:
-            watch(alpha, step)
-    return cp.get_output()
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper (as timm's and torch_optimizer's Lookahead) that steps Adam, then, every second
+    step, moves the parameters to its slow weights: the update is that of both."""
 
+    def __init__(self, params, lr):
+        self.base = torch.optim.Adam(params, lr=lr)
+        self.param_groups, self.defaults, self.state, self.steps = self.base.param_groups, {}, {}, 0
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._patch_step_function()
+        self.slow = [p.detach().clone() for group in self.param_groups for p in group["params"]]
 
-@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
-def test_with_adam_the_kept_individual_gradients_are_let_go_once_the_optimizer_steps():
-    """An optimizer owning every tracked parameter steps: the start's individual gradients are
-    projected then and let go, not held through the next step's forward and backward passes;
-    α is the one projecting them at the next step gives (two optimizers, each owning part of
-    the parameters: nothing watched steps all of them; Cockpit 1.0.2's values:
-    test_alpha_matches_cockpit)."""
-    held = {}
-
-    def watch(alpha, step):
-        held[step] = alpha._starts.get(step).grad_batch is not None
-
-    projected = _alpha_with_adam(watch=watch)
-    assert held == {0: False, 1: False, 2: False}
-    at_the_end = _alpha_with_adam(split=True, watch=watch)
-    assert held == {0: True, 1: True, 2: True}
-    assert sorted(projected) == [0, 1] and all(isinstance(projected[s]["Alpha"], float) for s in projected)
-    assert_same_output(projected, at_the_end, rtol=1e-12, atol=0)
-
-
-@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
-def test_an_optimizer_stepping_twice_between_tracked_steps_leaves_alpha_out_with_a_warning():
-    """The update from step t to t + 1 is then two steps, of which the individual gradients
-    were projected on the first: no α rather than a wrong one."""
-    with pytest.warns(UserWarning, match="parameters changed after the optimizer step that followed step 0"):
-        output = _alpha_with_adam(steps_each=2)
-    assert all("Alpha" not in output.get(step, {}) for step in range(3))
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.base.step()
+        self.steps += 1
+        if self.steps % 2 == 0:
+            for slow, p in zip(self.slow, (p for group in self.param_groups for p in group["params"])):
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
 
 
 class _AdamStepsThroughItsBase(torch.optim.Adam):
+    """torch runs the step hooks around each patched class's step: calling Adam's step runs
+    them twice for one update."""
+
     def step(self, closure=None):
         return super().step(closure)
 
 
+def _alpha_with_adam(split=False, steps_each=1, make=torch.optim.Adam, under=contextlib.nullcontext, before_forward=None):
+    """Alpha over 4 steps of the sequence model with ``make``'s optimizer, each step in the
+    context ``under()``; ``before_forward(alpha)`` as the model is called."""
+    torch.manual_seed(0)
+    model, input_shape = build_model("sequence")
+    opt = _Optimizers(model.parameters(), split, steps_each, make)
+    alpha = fast_quantities.Alpha(fast_schedules.linear(1))
+    cp = FastCockpit(model.parameters(), quantities=[alpha])
+    if before_forward is not None:
+        model[0].register_forward_pre_hook(lambda *_: before_forward(alpha))
+    data = torch.Generator().manual_seed(1)
+    losses = torch.nn.CrossEntropyLoss(reduction="none")
+    for step in range(4):
+        inputs, labels = torch.randn(8, *input_shape, generator=data), torch.randint(0, 4, (8,), generator=data)
+        with under():
+            opt.zero_grad()
+            individual = losses(model(inputs), labels)
+            with cp(step, info={"batch_size": 8, "individual_losses": individual, "loss": individual.mean()}):
+                individual.mean().backward()
+            opt.step()
+    return cp.get_output()
+
+
+def _at_the_end(monkeypatch):
+    """The kept individual gradients projected at the end of the next tracked step, as before
+    the optimizer's step was watched."""
+    monkeypatch.setattr(alpha_module._StartPoint, "_watch_optimizer", lambda self, params: None)
+
+
 @pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
-def test_an_optimizer_whose_step_calls_another_steps_once(monkeypatch):
-    """torch runs the step hooks around each patched class's step: a subclass calling Adam's
-    step runs them twice for one update, which is not a second update."""
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # Adam's own step patched too
-    alone = _alpha_with_adam()
-    monkeypatch.setattr(torch.optim, "Adam", _AdamStepsThroughItsBase)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        warnings.filterwarnings("ignore", "No 'optimizer' handed in")
-        nested = _alpha_with_adam()
-    assert_same_output(nested, alone, rtol=1e-12, atol=0)
+def test_with_adam_the_kept_individual_gradients_are_let_go_before_the_next_forward_pass(monkeypatch):
+    """An optimizer owning every tracked parameter steps: the start's individual gradients are
+    projected at the next module call and let go, not held through that forward pass and its
+    backward pass; α is the same as projecting them at the end of the next step (Cockpit
+    1.0.2's values: test_alpha_matches_cockpit). Two optimizers, each owning part of the
+    parameters: nothing watched steps them all, they are projected at the end."""
+    held = []
+    watch = lambda alpha: held.append([s.grad_batch is not None for s in alpha._starts._entries.values()])  # noqa: E731
+    projected = _alpha_with_adam(before_forward=watch)
+    assert held == [[]] + [[False]] * 3
+    held.clear()
+    split = _alpha_with_adam(split=True, before_forward=watch)
+    assert held == [[]] + [[True]] * 3
+    _at_the_end(monkeypatch)
+    at_the_end = _alpha_with_adam()
+    assert sorted(projected) == [0, 1, 2] and all(isinstance(projected[s]["Alpha"], float) for s in projected)
+    assert_same_output(projected, at_the_end, rtol=1e-12, atol=0)
+    assert_same_output(split, at_the_end, rtol=1e-12, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:No 'optimizer' handed in")
+@pytest.mark.parametrize(
+    "loop",
+    ["two optimizer steps a step", "Lookahead", "a subclass stepping through Adam", "each step under bf16 autocast"],
+)
+def test_alpha_with_the_update_known_before_the_next_forward_pass_is_alpha_at_the_end(loop, monkeypatch):
+    """Whatever happens between the tracked step and the next forward pass is the update, as
+    when the end projects: more optimizer steps, a wrapper's changes after the optimizer it
+    wraps has stepped, the hooks run twice for one step, the caller's autocast (the projection
+    computes in the kept gradients' dtype)."""
+    kwargs = {
+        "two optimizer steps a step": {"steps_each": 2},
+        "Lookahead": {"make": _Lookahead},
+        "a subclass stepping through Adam": {"make": _AdamStepsThroughItsBase},
+        "each step under bf16 autocast": {"under": lambda: torch.autocast("cpu", dtype=torch.bfloat16)},
+    }[loop]
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # Adam's own step patched, for the subclass
+    projected = _alpha_with_adam(**kwargs)
+    _at_the_end(monkeypatch)
+    at_the_end = _alpha_with_adam(**kwargs)
+    assert sorted(projected) == [0, 1, 2] and all(isinstance(projected[s]["Alpha"], float) for s in projected)
+    assert_same_output(projected, at_the_end, rtol=1e-12, atol=0)

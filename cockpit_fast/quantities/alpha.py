@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from cockpit_fast.fsdp import gathered
+from cockpit_fast.per_sample.capture import outside_autocast
 from cockpit_fast.per_sample.grads import Kept
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
@@ -34,9 +36,10 @@ class Alpha(FastQuantity):
     gradients' projections on it are -lr times their dot products with that gradient (the
     statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For
     other optimizers (or none handed in via ``info['optimizer']``, which warns) the parameters
-    and individual gradients of step t are kept until the update is known: projected as soon as
-    an optimizer that owns every tracked parameter has stepped (the individual gradients are
-    then let go before the next forward pass), else at step t + 1. Needs ``info`` entries
+    and individual gradients of step t are kept until the update is known: once an optimizer
+    that owns every tracked parameter has stepped, they are projected at the next module call
+    (a forward pass), and let go before that pass's activations are made; else at step t + 1.
+    Needs ``info`` entries
     ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
     """
 
@@ -90,13 +93,7 @@ class Alpha(FastQuantity):
             if start is not None:
                 start.stop_watching()
             if start is not None and start.observation is not None:  # else its step failed
-                if start.moved_since_projected():
-                    warnings.warn(
-                        f"Alpha: the parameters changed after the optimizer step that followed step {step - 1} "
-                        f"(a second step, or a change by hand): no α for step {step - 1}"
-                    )
-                else:
-                    self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
+                self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
         for dropped in self._starts.drop_before(step):
             dropped.stop_watching()
         if self.is_start(step):
@@ -159,7 +156,7 @@ class _KeptProjection(Projection):
     once_a_step = True  # all of the start's samples, whichever micro-batch of the end reads them
 
     def from_grad_batch(self, hot):
-        if self.start.kept_dots is not None:  # projected when the optimizer stepped
+        if self.start.kept_dots is not None:  # projected before this step's forward pass
             return self.start.kept_dots[hot.index]
         return self.start.grad_batch[hot.index].dot(self.direction(hot))
 
@@ -188,9 +185,9 @@ class _StartPoint:
         self.observation = None  # set once the start step is tracked
         self.params = None
         self.grad_batch = None
-        self.kept_dots = None  # grad_batch projected on the update, once the optimizer stepped
-        self.fingerprints = None  # of that update, to tell whether the end sees the same
+        self.kept_dots = None  # grad_batch projected on the update, before the end's forward pass
         self._tracked = None  # the parameters, while an optimizer's step is awaited
+        self._stepped = False
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
@@ -199,34 +196,34 @@ class _StartPoint:
         return self.directions[hot.index]
 
     def _watch_optimizer(self, params):
-        """Project the kept individual gradients on the update as soon as an optimizer owning
-        every parameter of ``params`` has stepped (:func:`_optimizer_stepped`): they need not be
-        held through the next step's forward and backward passes."""
+        """Project the kept individual gradients on the update before the next forward pass once
+        an optimizer owning every parameter of ``params`` has stepped (:func:`_optimizer_stepped`):
+        they need not be held through that pass and its backward pass."""
         self._tracked = params
         _watch_optimizer_steps()
         _WAITING.add(self)
 
     def optimizer_stepped(self, owned):
-        """An optimizer owning the parameters of ids ``owned`` has stepped."""
-        if self.grad_batch is None or not {id(p) for p in self._tracked} <= owned:
-            return  # projected already (a wrapper's step around the optimizer's), or not its optimizer
-        self.kept_dots, self.fingerprints = [], []
+        """An optimizer owning the parameters of ids ``owned`` has stepped; whether this start
+        now waits for the next module call to project."""
+        self._stepped = self._stepped or {id(p) for p in self._tracked} <= owned
+        return self._stepped
+
+    def project_if_stepped(self):
+        """At a module call: project the kept individual gradients on the update if an optimizer
+        owning every tracked parameter has stepped (and anything that wraps it has done with the
+        parameters, as Lookahead's slow weights: the update is the parameters' change)."""
+        if not self._stepped:
+            return
+        self.stop_watching()
+        dots = [None] * len(self.params)
         # (FSDP2's shards gathered, as the end's direction reads each parameter's values)
         for i, value in gathered(p.detach() for p in self._tracked):
-            update = value - self.params[i]
-            self.kept_dots.append(self.grad_batch[i].dot(update))
-            self.fingerprints.append(_fingerprint(update))
-        self.grad_batch = None
-
-    def moved_since_projected(self):
-        """Whether the update the end reads differs from the one the kept individual gradients
-        were projected on (the optimizer stepped again, or the parameters were changed)."""
-        if self.fingerprints is None:
-            return False
-        return any(not torch.equal(_fingerprint(self.directions[i]), f) for i, f in enumerate(self.fingerprints))
+            dots[i] = self.grad_batch[i].dot(value - self.params[i])
+        self.kept_dots, self.grad_batch = dots, None
 
     def stop_watching(self):
-        """Stop watching the optimizer (the end has come, or will not)."""
+        """Stop watching the optimizer and the module calls (the end has come, or will not)."""
         _WAITING.discard(self)
 
     def observe(self, ctx, quantity):
@@ -256,7 +253,6 @@ class _StartPoint:
                 "observation": vars(self.observation) if observed else None,
                 "rank_sizes": self.rank_sizes if observed else None,
                 "params": self.params,
-                "fingerprints": self.fingerprints,
             }
         )
         # Kept individual gradients are this process's samples', in its share of the batch.
@@ -280,20 +276,13 @@ class _StartPoint:
             start.grad_batch = [Kept.from_state(kept) for kept in restored_per_param(state["grad_batch"], params)]
         if state.get("kept_dots") is not None:
             start.kept_dots = restored_per_param(state["kept_dots"], params)
-        if state.get("fingerprints") is not None:
-            start.fingerprints = restored_state(state["fingerprints"], params[0].device)
         return start
 
 
-def _fingerprint(update):
-    """Two numbers that tell one parameter's update from another (float64 sums of it and its squares)."""
-    wide = update.double()
-    return torch.stack([wide.sum(), wide.square().sum()])
-
-
 _WAITING = weakref.WeakSet()
-"""The starts whose update the next optimizer step makes (weakly: a cockpit let go takes its own)."""
+"""The starts waiting for their update (weakly: a cockpit let go takes its own)."""
 _watching = []
+_next_module_call = []
 
 
 def _watch_optimizer_steps():
@@ -302,13 +291,27 @@ def _watch_optimizer_steps():
         _watching.append(register_optimizer_step_post_hook(_optimizer_stepped))
 
 
+@torch.compiler.disable  # (a compiled function stepping the optimizer runs the hooks too)
 def _optimizer_stepped(optimizer, args, kwargs):
     """After any optimizer's step (a wrapper's, as Accelerate's or Lightning's, steps the one
-    it wraps, which this sees): the waiting starts whose parameters it owns take their update."""
-    if _WAITING:
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for start in list(_WAITING):
-            start.optimizer_stepped(owned)
+    it wraps, which this sees): the waiting starts whose parameters it owns project at the next
+    module call."""
+    if not _WAITING:
+        return
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    stepped = [start.optimizer_stepped(owned) for start in list(_WAITING)]
+    if any(stepped) and not _next_module_call:
+        _next_module_call.append(register_module_forward_pre_hook(_project_stepped))
+
+
+@torch.compiler.disable
+def _project_stepped(module, args):
+    """The first module call after an optimizer's step: the stepped starts project, in their
+    own dtypes (outside the caller's autocast) and outside autograd."""
+    _next_module_call.pop().remove()
+    for start in list(_WAITING):
+        with torch.no_grad(), outside_autocast(start._tracked):
+            start.project_if_stepped()
 
 
 def _alpha(update_size, losses, projected_gradients, loss_variances, gradient_variances):
