@@ -65,7 +65,7 @@ class Alpha(FastQuantity):
         wanted = set()
         start = self._starts.get(step - self.SAVE_SHIFT) if self.is_end(step) else None
         if start is not None and start.observation is not None:
-            wanted.add(Projection(self, "end", start.direction, reads_param=not start.sgd))
+            wanted.add(Projection(self, "end", start.direction, reads_param=start.params is not None))
             if not start.sgd:  # the start's kept individual gradients, on the update now known
                 wanted.add(self._kept_projection(start))
         if self.is_start(step):
@@ -76,7 +76,7 @@ class Alpha(FastQuantity):
 
     def _kept_projection(self, start):
         """Projections of the start's kept individual gradients on the update, known at the end."""
-        return _KeptProjection(self, "kept", start.direction, reads_param=True, start=start)
+        return _KeptProjection(self, "kept", start.direction, reads_param=start.params is not None, start=start)
 
     def _sgd_learning_rates(self, ctx):
         """Per-parameter learning rates if the update is plain SGD's, else None."""
@@ -191,7 +191,7 @@ class _StartPoint:
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
-        if not self.sgd:
+        if self.params is not None:  # not plain SGD's, nor projected before the end's forward pass
             self.directions[hot.index] = hot.param.detach() - self.params[hot.index]
         return self.directions[hot.index]
 
@@ -217,10 +217,12 @@ class _StartPoint:
             return
         self.stop_watching()
         dots = [None] * len(self.params)
-        # (FSDP2's shards gathered, as the end's direction reads each parameter's values)
+        # (FSDP2's shards gathered; the end reads these directions, not the parameters: they do
+        # not change within its forward and backward passes)
         for i, value in gathered(p.detach() for p in self._tracked):
-            dots[i] = self.grad_batch[i].dot(value - self.params[i])
-        self.kept_dots, self.grad_batch = dots, None
+            self.directions[i] = value - self.params[i]
+            dots[i] = self.grad_batch[i].dot(self.directions[i])
+        self.kept_dots, self.grad_batch, self.params = dots, None, None
 
     def stop_watching(self):
         """Stop watching the optimizer and the module calls (the end has come, or will not)."""
