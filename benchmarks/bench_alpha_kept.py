@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from bench_ghost import _status_kib  # noqa: E402
+from bench_ghost import _status_kib, next_forward_starts  # noqa: E402
 
 N, STEPS = 128, 5
 
@@ -44,7 +44,7 @@ def stepper(optimizer, tracked, micro_batches=1):
     batch = torch.randn(N, 784, generator=data), torch.randint(0, 10, (N,), generator=data)
     losses = torch.nn.CrossEntropyLoss(reduction="none")
     if micro_batches == 1:
-        return lambda i: training_step(model, opt, batch, losses, cockpit=cockpit, step=i)
+        return lambda i: (training_step(model, opt, batch, losses, cockpit=cockpit, step=i), next_forward_starts())
     parts = list(zip(*(part.chunk(micro_batches) for part in batch)))
 
     def accumulated(i):
@@ -60,6 +60,7 @@ def stepper(optimizer, tracked, micro_batches=1):
                     micro.micro_batch(individual_losses=individual, loss=loss)
                     loss.backward()
         opt.step()
+        next_forward_starts()
 
     return accumulated
 

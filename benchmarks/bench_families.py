@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' Hugging Face wrappers
 import bench_step  # noqa: E402
 from any_models import _LogitsOnly, _Seq2SeqLogits, class_losses, hf_gpt2, token_losses  # noqa: E402
-from bench_ghost import _status_kib  # noqa: E402
+from bench_ghost import _status_kib, next_forward_starts  # noqa: E402
 
 import cockpit_fast  # noqa: E402
 from cockpit_fast.cockpit import Cockpit  # noqa: E402
@@ -258,6 +258,7 @@ def stepper(model, batch, losses, tracked, optimizer="sgd"):
 
     def step(i):
         training_step(model, optimizer, batch, losses, cockpit=cockpit, step=i)
+        next_forward_starts()
 
     return step, cockpit
 

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 from bench_distributed import CollectiveCounter  # noqa: E402
-from bench_ghost import _status_kib  # noqa: E402
+from bench_ghost import _status_kib, next_forward_starts  # noqa: E402
 
 WORLD, N, T, LAYERS, WIDTH, HEADS = 2, 8, 64, 4, 128, 4
 MEMORY_STEPS = 4
@@ -98,6 +98,7 @@ def stepper(model, opt, ids, tracked):
             with cockpit(i, info={"batch_size": N, "individual_losses": losses, "loss": loss, "optimizer": opt}):
                 loss.backward()
         opt.step()
+        next_forward_starts()
 
     return step, cockpit
 
