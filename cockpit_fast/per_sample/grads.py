@@ -159,8 +159,8 @@ class PerSampleGrads:
         return None
 
     def formed_dots(self, direction):
-        """(N,) ``<G_n, direction>`` from the gradients formed a chunk at a time: the same bits from
-        the same form wherever it is (a closed form rounds its own way)."""
+        """(N,) ``<G_n, direction>`` from the gradients formed a chunk at a time, for a kept form
+        without a closed form (:meth:`dot`)."""
         return torch.cat([ops.batch_dot(chunk.to(direction.dtype), direction) for chunk in self.chunks()])
 
     def row_dots(self, direction):
@@ -514,9 +514,6 @@ class ZeroGrads(PerSampleGrads):
 
     def dot(self, direction):
         return self._zeros(self.batch_size)
-
-    def formed_dots(self, direction):
-        return direction.new_zeros(self.batch_size, dtype=accumulation_dtype(direction.dtype))
 
     def row_dots(self, direction):
         return self._zeros(self.batch_size, self.shape[0]) if self.shape else None
