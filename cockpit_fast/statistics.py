@@ -33,7 +33,7 @@ import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
 from cockpit_fast.fsdp import gathered, is_sharded
-from cockpit_fast.per_sample.grads import DenseGrads, Kept, ZeroGrads, held_bytes
+from cockpit_fast.per_sample.grads import DenseGrads, Kept, Scratch, ZeroGrads, held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
 """How per-sample statistics are computed from a form: ``"auto"``, its closed forms where they are
@@ -108,6 +108,10 @@ class Statistic:
     once_a_step = False
     """Whether it reads nothing of the step's micro-batches (an earlier step's values, kept): taken
     with the first micro-batch that reaches the parameter, not once each."""
+
+    keeps_chunks = False
+    """Whether its value holds the formed gradients it was computed from (then they are not formed
+    in memory the next chunk takes)."""
 
     def from_grad_batch(self, hot):
         """Compute the statistic of one :class:`HotParameter` (or of its chunk of samples)."""
@@ -210,6 +214,7 @@ DOT_MEAN_GRAD = _DotMeanGrad()
 class _KeepGradBatch(Statistic):
     reduction = "local"  # each rank keeps its own; what is later taken from it is combined
     kept_aside = True  # where its form pays to keep
+    keeps_chunks = True
 
     def __repr__(self):
         return "grad_batch"
@@ -735,7 +740,8 @@ def _chunk_values(index, param, form, statistics, grad, route, batch_size):
     """Each chunk of formed gradients' ``{statistic: value}``, in sample order."""
     # The directions once for every chunk: an embedding table's chunks hold a sample or two each.
     fused, directions = _fused_histogram(statistics), None
-    for chunk in form.chunks():
+    scratch = None if any(statistic.keeps_chunks for statistic in statistics) else Scratch()
+    for chunk in form.chunks(scratch=scratch):
         if chunk.dtype != param.dtype and param.is_floating_point():
             chunk = chunk.to(param.dtype)  # formed in a layer's autocast dtype: read against the parameter's
         chunk_hot = HotParameter(index, param, form, chunk, grad=grad, route=route, batch_size=batch_size)

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from cockpit_fast import per_sample
-from cockpit_fast.statistics import BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics
+from cockpit_fast.statistics import (
+    BATCH_L2, DOT_MEAN_GRAD, GRAD_ABS_MAX, GRAD_BATCH, SUM_GRAD_SQUARED, Hist1d, Hist2d, Projection, compute_statistics,
+)
 from cockpit_fast.per_sample import Capture, ConvGrads, DenseGrads, FactoredGrads, RowGrads, combine, stats_rows
 from cockpit_fast.per_sample.grads import HookedGrads, SummedGrads, ZeroGrads
 from conftest import values_near_edges
@@ -71,7 +73,10 @@ def _explicit(name, form):
 @pytest.mark.parametrize("name", list(_forms(torch.float64)))
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("sum_grad_squared", [True, False], ids=["with_sum_grad_squared", "without"])
-def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, dtype, sum_grad_squared, monkeypatch):
+@pytest.mark.parametrize("kept", [False, True], ids=["", "kept"])
+def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, dtype, sum_grad_squared, kept, monkeypatch):
+    """Also with the gradients kept (Alpha's, from the formed chunks where the form does not pay
+    to keep): each chunk kept as it was formed, not in memory a later chunk took."""
     monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", 80)  # several chunks of samples
     form = _forms(dtype)[name]
     dense = _explicit(name, form)
@@ -84,11 +89,15 @@ def test_every_statistic_of_every_form_equals_the_formed_gradients(name, route, 
     requests = {BATCH_L2, SUM_GRAD_SQUARED, GRAD_ABS_MAX, DOT_MEAN_GRAD, Projection("test", "d", lambda hot: direction), hist1d, hist2d}
     if not sum_grad_squared:  # the squared norms then come with the histogram and the dot products
         requests.remove(SUM_GRAD_SQUARED)
+    if kept:
+        requests.add(GRAD_BATCH)
     values = compute_statistics(0, param, form, requests, route=route)
     reference = compute_statistics(0, param, DenseGrads(dense), requests, route="grad_batch")
     rtol = 1e-5 if dtype == torch.float32 else 1e-10
     for statistic in requests:
         actual, expected = values[statistic], reference[statistic]
+        if statistic is GRAD_BATCH:  # what is kept: its products with a later direction
+            actual, expected = actual.dot(direction), expected.dot(direction)
         if isinstance(statistic, (Hist1d, Hist2d)):
             assert actual.sum() == expected.sum()
             lo, hi = statistic.range if isinstance(statistic, Hist1d) else statistic.range[0]
@@ -133,6 +142,21 @@ def test_chunks_bound_what_is_formed_at_once(monkeypatch):
     chunks = list(form.chunks())
     assert [c.shape[0] for c in chunks] == [2, 2, 2, 2, 2]
     torch.testing.assert_close(torch.cat(chunks), torch.einsum("nto,nti->noi", form.left, form.right))
+
+
+@pytest.mark.parametrize("name", ["outer", "gram", "long", "dense"])
+def test_chunks_formed_in_scratch_take_its_memory_in_turn(name):
+    """Factors form each chunk in the memory of the one before (a new tensor each costs its pages'
+    first touch); a form that forms nothing hands out its own values, which no chunk overwrites."""
+    form = _forms(torch.float64)[name]
+    before = [t.clone() for t in per_sample.grads.held_tensors(form)]
+    scratch = per_sample.grads.Scratch()
+    chunks = [(chunk.clone(), scratch.holds(chunk)) for chunk in form.chunks(size=2, scratch=scratch)]
+    assert len(chunks) == 3
+    torch.testing.assert_close(torch.cat([chunk for chunk, _ in chunks]), _explicit(name, form), rtol=0, atol=0)
+    assert all(held == isinstance(form, FactoredGrads) for _, held in chunks)
+    for kept, now in zip(before, per_sample.grads.held_tensors(form)):
+        assert torch.equal(kept, now)
 
 
 def test_chunks_of_a_replayed_call_bound_all_its_parameters(monkeypatch):

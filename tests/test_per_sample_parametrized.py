@@ -14,7 +14,7 @@ from torch.nn.utils import parametrizations, parametrize
 from torch.nn.utils import weight_norm as legacy_weight_norm
 
 from any_models import assert_counts_close, flat, oracle_grads
-from cockpit_fast import Cockpit, quantities
+from cockpit_fast import Cockpit, per_sample, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
 from cockpit_fast.per_sample import Capture, ConvGrads, DenseGrads, FactoredGrads
@@ -180,7 +180,8 @@ def test_a_spectral_norm_read_twice_in_training_mode_chains_each_read_by_its_own
 def _mlp(dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-    parametrizations.weight_norm(model[0])
+    # Norms of columns: g's gradients are read from each chunk formed (_cnn's Linear: of rows, in closed form).
+    parametrizations.weight_norm(model[0], dim=1)
     parametrizations.spectral_norm(model[2])
     parametrize.register_parametrization(model[4], "weight", Scaled(model[4].weight.shape))
     return model.to(dtype), (6,)
@@ -197,9 +198,20 @@ def _cnn(dtype):
     return model.to(dtype), (2, 5, 5)
 
 
+# Most values formed at once: the default; one sample's; two samples' of _mlp's weight-normed
+# layer (its weight's 48 values and those of the Jacobian's parameters, 48 + 6), whose v is then
+# kept for its turn after g's chunks.
+CHUNKS = {"one chunk": None, "chunks of a sample": 1, "chunks of two samples": 2 * (48 + 54)}
+
+
+@pytest.mark.parametrize("chunks", list(CHUNKS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("make", [_mlp, _cnn])
-def test_cockpit_quantities_over_steps_match_the_oracle_and_leave_the_training_alone(make, dtype):
+def test_cockpit_quantities_over_steps_match_the_oracle_and_leave_the_training_alone(make, dtype, chunks, monkeypatch):
+    """Also where the gradients are formed a few samples at a time, each chunk in the memory of
+    the one before."""
+    if CHUNKS[chunks] is not None:
+        monkeypatch.setattr(per_sample.grads, "CHUNK_VALUES", CHUNKS[chunks])
     model, shape = make(dtype)
     untracked = make(dtype)[0]
     params = list(model.parameters())

@@ -158,9 +158,13 @@ class WeightNormVjp:
         by_norm = along.reshape(-1, *self.scale.shape)
         grad_v = cotangents.addcmul_ if in_place else partial(torch.addcmul, cotangents)
         return {
-            self.g_name: along.reshape(-1, *self.g_shape),
+            self.g_name: self.of_g(along, cotangents.dtype),
             self.v_name: grad_v(self.direction, by_norm, value=-1).mul_(self.scale),
         }
+
+    def of_g(self, along, dtype):
+        """``g``'s gradients (a new tensor) from their :meth:`along`: no cotangent needed."""
+        return along.to(dtype, copy=True).reshape(-1, *self.g_shape)
 
 
 class Linearized:
@@ -209,9 +213,10 @@ class Linearized:
             found = [torch.stack(rows) for rows in zip(*(grad(c, False) for c in cotangents))]
         return dict(zip(self.names, found))
 
-    def vjp_range(self, form, start, stop, name):
+    def vjp_range(self, form, start, stop, name, scratch=None):
         """The gradients of parameter ``name`` for samples ``start`` to ``stop`` of ``form`` (the
-        tensor's). One pass gives every parameter's: the other wanted ones are kept for their
+        tensor's; formed in ``scratch``, a :class:`~cockpit_fast.per_sample.grads.Scratch`, where
+        given). One pass gives every parameter's: the other wanted ones are kept for their
         turn (the statistics go through one parameter's chunks after another's), up to
         :data:`~cockpit_fast.per_sample.grads.CHUNK_VALUES` values."""
         kept = self._kept.pop((id(form), start, stop, name), None)
@@ -219,8 +224,14 @@ class Linearized:
             self._kept_values -= kept.numel()
             return kept  # handed out once: its caller may change it in place
         along = self._closed_vjp.along(form) if self._closed_vjp is not None else None
-        found = self.vjp(form.dense_range(start, stop), form.FRESH_RANGES, None if along is None else along[start:stop])
+        if along is not None and name == self._closed_vjp.g_name:  # nothing to form
+            return self._closed_vjp.of_g(along[start:stop], self.tensor.dtype)
+        cotangents = form.dense_range(start, stop) if scratch is None else form.range_in(start, stop, scratch)
+        fresh = form.FRESH_RANGES or (scratch is not None and scratch.holds(cotangents))
+        found = self.vjp(cotangents, fresh, None if along is None else along[start:stop])
         for other, values in found.items():
+            if scratch is not None and scratch.holds(values):
+                continue  # the next chunk takes its memory
             if other != name and other in self._wanted and self._kept_values + values.numel() <= grads.CHUNK_VALUES:
                 self._kept[(id(form), start, stop, other)] = values
                 self._kept_values += values.numel()
@@ -264,6 +275,9 @@ class ChainedGrads(PerSampleGrads):
 
     def dense_range(self, start, stop):
         return self.linearized.vjp_range(self.form, start, stop, self.name)
+
+    def range_in(self, start, stop, scratch):
+        return self.linearized.vjp_range(self.form, start, stop, self.name, scratch)
 
     def dot(self, direction):
         """``<J^T G_n, d> = <G_n, J d>``: the tensor's closed form, where it has one."""
