@@ -226,12 +226,13 @@ class Linearized:
         along = self._closed_vjp.along(form) if self._closed_vjp is not None else None
         if along is not None and name == self._closed_vjp.g_name:  # nothing to form
             return self._closed_vjp.of_g(along[start:stop], self.tensor.dtype)
+        if along is None and len(self._wanted) > 1:
+            scratch = None  # the other parameters' gradients are kept for their turn: not in memory the next chunk takes
         cotangents = form.dense_range(start, stop) if scratch is None else form.range_in(start, stop, scratch)
         fresh = form.FRESH_RANGES or (scratch is not None and scratch.holds(cotangents))
         found = self.vjp(cotangents, fresh, None if along is None else along[start:stop])
-        for other, values in found.items():
-            if scratch is not None and scratch.holds(values):
-                continue  # the next chunk takes its memory
+        kept_for_their_turn = found if along is None else {}  # (with along, g's come from it at its turn)
+        for other, values in kept_for_their_turn.items():
             if other != name and other in self._wanted and self._kept_values + values.numel() <= grads.CHUNK_VALUES:
                 self._kept[(id(form), start, stop, other)] = values
                 self._kept_values += values.numel()
