@@ -66,7 +66,8 @@ class Call:
         self.computed_in = _computed_in(args, outputs, self.autocast)
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
-        self.spent = False  # a tracked backward pass went through it: no later step's
+        self.spent = False  # a tracked backward pass went through it: no later step's (spend())
+        self._multi_hook = None  # the handle of the hook on its outputs, where it has several
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -76,6 +77,15 @@ class Call:
         # Where its rows came from (routed tokens, flattened ones): routed.regroup reads it.
         has_graph = first_input is not None and first_input.grad_fn is not None
         self.input_node = (first_input.grad_fn, first_input.output_nr) if has_graph else None
+
+    def spend(self):
+        """A tracked backward pass went through the call: its hooks are done. torch's hook on
+        several outputs holds their nodes, which hold it: a reference cycle that keeps the
+        graph's unreleased tensors until a garbage collection, unless removed."""
+        self.spent = True
+        if self._multi_hook is not None:
+            self._multi_hook.remove()
+            self._multi_hook = None
 
     def share(self, n):
         """Take the call as made once for each of ``n`` samples, its output broadcast to them
@@ -423,7 +433,7 @@ class Capture:
         if len(outputs) == 1:  # one hook costs less than a multi-grad hook (every call pays it)
             _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]))
         else:
-            torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
+            call._multi_hook = torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
         return replaced
 
     @property

@@ -159,7 +159,7 @@ class Engine:
         step.release()
         if not failed:  # the next step's forward pass is another (a graph the user keeps is no part of it)
             for call in step.calls:
-                call.spent = True
+                call.spend()
             self._resumed = False
         if not step.armed:
             if step.check and grads:
@@ -246,6 +246,7 @@ class Engine:
                 call.take_time_first()
             if not flipped and not any(call.shared for call in unsure):  # none to check again
                 break
+            found = fired = grads = None  # the next pass's replace them: not both held at once
         self._learn_layouts([call for call in calls if call not in mixed])
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)

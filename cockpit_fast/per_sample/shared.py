@@ -83,6 +83,7 @@ def frontiers(root, calls, batch_size):
     for call, node in targets.items():
         found = []
         out[call] = found if climb(node, [], found, call.output_shapes[0]) and found else None
+    del climb  # a recursive closure is a reference cycle: it would hold the graph until a collection
     return out
 
 
