@@ -57,11 +57,6 @@ class Scratch:
             memory = self._memory = torch.empty(n, dtype=dtype, device=device)
         return memory[:n].view(shape)
 
-    def holds(self, tensor):
-        """Whether ``tensor`` lies in the memory."""
-        memory = self._memory
-        return memory is not None and tensor.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr()
-
 
 def _widened(out, dtype):
     """``out``, or a copy in the wider dtype where ``dtype`` is wider: parts of one parameter's
@@ -156,7 +151,8 @@ class PerSampleGrads:
 
     def range_in(self, start, stop, scratch):
         """:meth:`dense_range`, formed in ``scratch``'s memory where the form forms the
-        gradients (else as :meth:`dense_range` gives them)."""
+        gradients (then the caller's to change until the next chunk, as :attr:`FRESH_RANGES`
+        says of the form's ranges; else as :meth:`dense_range` gives them)."""
         return self.dense_range(start, stop)
 
     def dense(self):

@@ -229,8 +229,7 @@ class Linearized:
         if along is None and len(self._wanted) > 1:
             scratch = None  # the other parameters' gradients are kept for their turn: not in memory the next chunk takes
         cotangents = form.dense_range(start, stop) if scratch is None else form.range_in(start, stop, scratch)
-        fresh = form.FRESH_RANGES or (scratch is not None and scratch.holds(cotangents))
-        found = self.vjp(cotangents, fresh, None if along is None else along[start:stop])
+        found = self.vjp(cotangents, form.FRESH_RANGES, None if along is None else along[start:stop])
         kept_for_their_turn = found if along is None else {}  # (with along, g's come from it at its turn)
         for other, values in kept_for_their_turn.items():
             if other != name and other in self._wanted and self._kept_values + values.numel() <= grads.CHUNK_VALUES:
