@@ -44,7 +44,12 @@ def stepper(optimizer, tracked, micro_batches=1):
     batch = torch.randn(N, 784, generator=data), torch.randint(0, 10, (N,), generator=data)
     losses = torch.nn.CrossEntropyLoss(reduction="none")
     if micro_batches == 1:
-        return lambda i: (training_step(model, opt, batch, losses, cockpit=cockpit, step=i), next_forward_starts())
+
+        def step(i):
+            training_step(model, opt, batch, losses, cockpit=cockpit, step=i)
+            next_forward_starts()
+
+        return step
     parts = list(zip(*(part.chunk(micro_batches) for part in batch)))
 
     def accumulated(i):

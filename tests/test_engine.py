@@ -3,6 +3,7 @@ precision and a GradScaler, the shapes of ``individual_losses``, empty batches, 
 cockpits, hooks, NaN, compiled models, info that disagrees with the forward pass, accumulation,
 the routes it reports; against float64 per-sample gradients from torch.func."""
 
+import contextlib
 import copy
 import gc
 import sys
@@ -431,6 +432,18 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
 
 
+@contextlib.contextmanager
+def _collector_off():
+    """What is let go goes by its references alone: the cyclic garbage collector does not run."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize("name", ["lstm", "hf_t5", "hf_gpt2"])
 def test_a_tracked_step_leaves_no_reference_cycle_holding_its_graph(name):
     """A step's graph (the tensors its backward pass did not release) is freed when the step ends,
@@ -441,22 +454,19 @@ def test_a_tracked_step_leaves_no_reference_cycle_holding_its_graph(name):
     x, y = batch(N, torch.Generator().manual_seed(1))
     cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.GradHist1d(EVERY)])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gc_was_enabled = gc.isenabled()
     gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         for step in range(3):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 training_step(model, opt, (x, y), lambda out, labels: losses_of(lambda _: out, x, labels), cockpit=cockpit, step=step)
         gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        left = [type(o).__name__ for o in gc.garbage]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if gc_was_enabled:
-            gc.enable()
+        try:
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
     assert not [kind for kind in left if kind.endswith(("Backward0", "Backward1")) or kind in ("Call", "Tensor")], sorted(set(left))
 
 
@@ -485,11 +495,8 @@ def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(mo
     monkeypatch.setattr(Capture, "disarm", recording_disarm)
     monkeypatch.setattr(Capture, "arm", checking_arm)
     cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
-    gc.disable()  # what is let go goes by its references alone
-    try:
+    with _collector_off():
         training_step(model, None, (x, None), lambda out, _: losses_of(lambda _: out, x, None), cockpit=cockpit)
-    finally:
-        gc.enable()
     assert len(alive_at_passes) >= 2 and made  # both of the checks' passes ran
     assert alive_at_passes[:2] == [0, 0], alive_at_passes
 
