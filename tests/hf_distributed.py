@@ -22,6 +22,7 @@ import transformers  # noqa: E402
 
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.transformers import CockpitCallback  # noqa: E402
+from distributed_training import leave_process_group  # noqa: E402
 
 SEQUENCES, TOKENS, VOCAB, PER_PROCESS = 8, 8, 16, 4
 EVERY = staticmethod(lambda step: True)
@@ -84,5 +85,4 @@ if __name__ == "__main__":
         resume(sys.argv[1])
     else:
         main(sys.argv[1], "--one" in sys.argv)
-    if torch.distributed.is_initialized():  # else gloo's threads, torn down at exit, abort 1 run in 10
-        torch.distributed.destroy_process_group()
+    leave_process_group()

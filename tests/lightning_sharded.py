@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 
 from cockpit_fast import quantities  # noqa: E402
 from cockpit_fast.integrations.lightning import CockpitCallback  # noqa: E402
+from distributed_training import leave_process_group  # noqa: E402
 
 SAMPLES, STEP, FEATURES, CLASSES = 16, 8, 6, 3
 EVERY = staticmethod(lambda step: True)
@@ -117,3 +118,4 @@ if __name__ == "__main__":
         resume(sys.argv[1], sys.argv[sys.argv.index("--resume") + 1])
     else:
         main(sys.argv[1], "--one" in sys.argv)
+    leave_process_group()
