@@ -444,13 +444,17 @@ def _collector_off():
             gc.enable()
 
 
-@pytest.mark.parametrize("name", ["lstm", "hf_t5", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["lstm", "hf_t5", "hf_gpt2", "checkpointed_lstm"])
 def test_a_tracked_step_leaves_no_reference_cycle_holding_its_graph(name):
     """A step's graph (the tensors its backward pass did not release) is freed when the step ends,
     not at the next garbage collection, which may come steps later: a peak of two steps' memory.
-    An LSTM's call has several outputs (torch's hook on them and their nodes hold each other
-    until removed); T5's shared position bias is found by a recursive closure over the graph."""
-    model, batch, losses_of = build(name, torch.float32)
+    An LSTM's call has several outputs (torch's hook on them and their nodes held each other until
+    removed, which a call activation checkpointing recomputes in the backward pass never was);
+    T5's shared position bias is found by a recursive closure over the graph."""
+    if name == "checkpointed_lstm":
+        model, batch, losses_of = _CheckpointedLSTM(), _sequences_and_labels, _cross_entropies
+    else:
+        model, batch, losses_of = build(name, torch.float32)
     x, y = batch(N, torch.Generator().manual_seed(1))
     cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY), quantities.GradHist1d(EVERY)])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -468,6 +472,27 @@ def test_a_tracked_step_leaves_no_reference_cycle_holding_its_graph(name):
             gc.set_debug(0)
             gc.garbage.clear()
     assert not [kind for kind in left if kind.endswith(("Backward0", "Backward1")) or kind in ("Call", "Tensor")], sorted(set(left))
+
+
+class _CheckpointedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm, self.head = nn.LSTM(3, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+
+    def _forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _sequences_and_labels(n, gen):
+    return torch.randn(n, 5, 3, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _cross_entropies(forward, x, y):
+    return F.cross_entropy(forward(x), y, reduction="none")
 
 
 def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(monkeypatch):
@@ -941,6 +966,19 @@ def test_a_hook_with_a_side_effect_runs_once_per_sample_in_the_collector_as_in_g
     collector = GradientMetricCollector([gm.PNorm(model[0].weight, p=2)])
     collector(F.cross_entropy(model(torch.randn(5, 5)), torch.randint(0, 3, (5,)), reduction="none"))
     assert len(calls) == 5
+
+
+def test_the_collectors_first_call_ends_its_step_as_its_later_calls_do():
+    """The first call forms from the checks' own pass; it still ends the step as later calls do:
+    the forward pass's calls are spent (the next call plans for its own forward pass). Taken
+    again from the same graph, the per-sample gradients take the whole graph, and say why."""
+    model = _mlp()
+    collector = GradientMetricCollector([gm.PNorm(model, p=2)])
+    losses = F.cross_entropy(model(torch.randn(N, 5)), torch.randint(0, 3, (N,)), reduction="none")
+    first = collector(losses, retain_graph=True)
+    assert collector._engine.capture.calls() == []
+    with pytest.warns(RuntimeWarning, match="gone through by an earlier tracked backward pass"):
+        torch.testing.assert_close(collector(losses), first)
 
 
 def test_a_nan_in_one_samples_input_leaves_the_other_samples_metrics_alone():

@@ -14,7 +14,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import any_models
 import test_any_model
 from any_models import CLASSES, VOCAB, WIDTH, class_losses, oracle_grads
-from cockpit_fast import quantities
+from cockpit_fast import Cockpit, quantities
 from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, rules
 from cockpit_fast.per_sample.recurrent import recurrent
 
@@ -333,3 +333,43 @@ def test_dropout_between_layers_in_training_mode_takes_the_whole_graph(recorded)
         warnings.simplefilter("ignore")  # the whole-graph route's notice
         test_any_model._tracked_step(DroppingLSTM(), x, y, [quantities.NormTest(test_any_model.EVERY)])
     assert set(recorded["Cockpit"][0].routes().values()) == {"whole graph", "module-local: Linear rule"}
+
+
+class CarriedState(nn.Module):
+    """A recurrent layer whose final states start its next call, not detached: every backward
+    pass goes back through the earlier calls' graphs too (the user keeps them, ``retain_graph``)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.layer, self.head, self.state = kind(INPUT, HIDDEN, batch_first=True), nn.Linear(HIDDEN, CLASSES), None
+
+    def forward(self, x):
+        out, self.state = self.layer(x) if self.state is None else self.layer(x, self.state)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_a_state_carried_across_tracked_steps_without_detach_gets_every_calls_share(kind):
+    """A later step's per-sample gradients include the earlier calls' shares, which its backward
+    pass reaches through the kept graph. A call with several outputs (the layer's output and
+    states) missed them once its step was done (its hook was removed): a GRU's per-sample
+    gradients up to a fifth of their scale off, with no warning."""
+    torch.manual_seed(0)
+    model = CarriedState(kind).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(test_any_model.EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (N,), generator=gen)
+        model.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+    per_sample = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    g = torch.stack([torch.cat([part.flatten() for part in grads]) for grads in per_sample])
+    mean_sq = (g.mean(0) ** 2).sum()
+    expected = (((g**2).sum() - N * mean_sq) / (N - 1) / (N * mean_sq)).sqrt()
+    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+    routes = cockpit.routes()
+    assert [routes[f"layer.{name}"] for name, _ in model.layer.named_parameters()] == [f"module-local: {kind.__name__} rule"] * 4, routes
+

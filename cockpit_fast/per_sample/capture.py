@@ -67,7 +67,6 @@ class Call:
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
-        self._multi_hook = None  # the handle of the hook on its outputs, where it has several
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -79,13 +78,9 @@ class Call:
         self.input_node = (first_input.grad_fn, first_input.output_nr) if has_graph else None
 
     def spend(self):
-        """A tracked backward pass went through the call: its hooks are done. torch's hook on
-        several outputs holds their nodes, which hold it: a reference cycle that keeps the
-        graph's unreleased tensors until a garbage collection, unless removed."""
+        """A tracked backward pass went through the call: the next step's forward pass is
+        another (a later pass through a graph the user keeps still fires its hooks)."""
         self.spent = True
-        if self._multi_hook is not None:
-            self._multi_hook.remove()
-            self._multi_hook = None
 
     def share(self, n):
         """Take the call as made once for each of ``n`` samples, its output broadcast to them
@@ -309,6 +304,7 @@ class Capture:
         self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
         self._casts_inside = weakref.WeakKeyDictionary()  # module -> {device type: (least precise dtype of its own nodes, cuDNN's?)}
         self._fired = None  # (call, output gradients) of the armed backward pass
+        self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
         self._root = None  # the outermost module with tracked parameters last called, for names
         self._keep = None
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
@@ -430,10 +426,12 @@ class Capture:
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
-        if len(outputs) == 1:  # one hook costs less than a multi-grad hook (every call pays it)
+        if len(outputs) == 1:
             _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]))
-        else:
-            call._multi_hook = torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: _call(me, "_fire", call, grads))
+        else:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
+            # On each output itself: one may view a tensor the call uses further (attention weights).
+            for index, out in enumerate(outputs):
+                out.register_hook(lambda grad, index=index: _call(me, "_fire_output", call, index, grad))
         return replaced
 
     @property
@@ -467,10 +465,22 @@ class Capture:
     def _fire(self, call, grads, broadcast=False):
         # A shared call's output gets the samples' gradients summed: its broadcasts' count instead.
         if self.armed and call.shared == broadcast:
-            if call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
-                grads = [None if g is None else call.routed(g) for g in grads]
-            keep = self._keep
-            self._fired.append((call, [keep(call, g, i) for i, g in enumerate(grads)] if keep else list(grads)))
+            self._fired.append((call, [self._taken(call, g, i) for i, g in enumerate(grads)]))
+
+    def _fire_output(self, call, index, grad):
+        """The gradient of one of a call's several outputs, gathered with the others the pass
+        gives it (None for those it does not reach)."""
+        if self.armed and not call.shared:
+            grads = self._reached.get(call)
+            if grads is None:
+                grads = self._reached[call] = [self._taken(call, None, i) for i in range(len(call.output_shapes))]
+                self._fired.append((call, grads))
+            grads[index] = self._taken(call, grad, index)
+
+    def _taken(self, call, grad, index):
+        if grad is not None and call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
+            grad = call.routed(grad)
+        return self._keep(call, grad, index) if self._keep else grad
 
     @property
     def armed(self):
@@ -480,7 +490,7 @@ class Capture:
     def arm(self, keep=None):
         """Keep the calls whose outputs get gradients in the next backward pass, and those
         gradients (or what ``keep(call, gradient, output index)`` makes of each)."""
-        self._fired, self._keep = [], keep
+        self._fired, self._keep, self._reached = [], keep, {}
         # The user's hooks on parameters, applied to each sample's gradient.
         self.hooked = {id(p) for p in self._tracked.values() if users_hooks(p)}
 
@@ -488,7 +498,7 @@ class Capture:
         """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached
         (none without ``forms``), but for the parameters whose ids are in ``skip``, and the
         ``(call, output gradients)`` it reached."""
-        fired, self._fired = self._fired or [], None
+        fired, self._fired, self._reached = self._fired or [], None, {}
         if self._keep is not None or not forms:  # fingerprints, or a pass that failed: no forms
             self._keep = None
             return {}, fired

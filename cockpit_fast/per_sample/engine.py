@@ -202,7 +202,7 @@ class Engine:
                 if not retain_graph:  # free it as a last backward pass would
                     with user_hooks_set_aside(inputs):
                         torch.autograd.grad(losses, inputs, torch.zeros_like(losses), allow_unused=True)
-                return step.forms
+                return self.end(step)  # (the checks' forms)
             try:
                 with user_hooks_set_aside(inputs):
                     grads = torch.autograd.grad(
@@ -314,6 +314,7 @@ class Engine:
                 why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
             if why is not None:
                 needs.update(dict.fromkeys(ids, why))
+        gone_through = {id(p) for call in self.capture.recent if call.spent for p in call.params.values()}
         for p in tracked:
             if id(p) in self._whole_only:
                 needs.setdefault(id(p), self._whole_only[id(p)])
@@ -323,6 +324,8 @@ class Engine:
                     "its forward pass ran while the cockpit was not watching (after a step no quantity tracks, "
                     "the cockpit watches again for the step numbered one more, or one it is told of with "
                     "cockpit.expect(step))" if self._resumed else
+                    "its calls were gone through by an earlier tracked backward pass (per-sample gradients "
+                    "taken again from one graph)" if id(p) in gone_through else
                     "no module call used it (used before the cockpit was made?)"
                 )
                 needs.setdefault(id(p), why)
