@@ -19,7 +19,7 @@ from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, rules
 from cockpit_fast.per_sample.recurrent import recurrent
 
 N, STEPS, INPUT, HIDDEN, PROJECTED = 4, 6, 3, 5, 2
-LENGTHS = {"sorted": [6, 4, 2, 1], "unsorted": [2, 6, 1, 4]}  # packed sequences of unequal lengths
+LENGTHS = {"sorted": [6, 4, 2, 1], "unsorted": [2, 6, 1, 4], "twelve_tokens": [2, 5, 1, 4]}  # packed sequences of unequal lengths
 
 LAYERS = {  # name -> (class, keyword arguments)
     "rnn_tanh": (nn.RNN, {}),
@@ -373,3 +373,25 @@ def test_a_state_carried_across_tracked_steps_without_detach_gets_every_calls_sh
     routes = cockpit.routes()
     assert [routes[f"layer.{name}"] for name, _ in model.layer.named_parameters()] == [f"module-local: {kind.__name__} rule"] * 4, routes
 
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_packed_tokens_as_many_as_a_multiple_of_the_samples_are_not_taken_for_routed_rows(kind):
+    """12 tokens packed from 4 sequences: the packed data's rows are tokens whose samples the
+    batch sizes tell, not 3 rows of each sample in turn (a crash in the checks' step before)."""
+    torch.manual_seed(0)
+    model = Recurrent(kind(INPUT, HIDDEN, batch_first=True), packing="twelve_tokens").double()
+    weights = [torch.randn(STEPS, HIDDEN, dtype=torch.float64)] + [torch.randn(1, HIDDEN, dtype=torch.float64)] * (2 if kind is nn.LSTM else 1)
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(test_any_model.EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):  # the checks' step, then one by the rule alone
+        x = torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64)
+        model.zero_grad()
+        losses = _losses(model(x), weights)
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = torch.cat([part.flatten(1) for part in _one_sample_at_a_time(params, losses)], 1)
+        mean_sq = (g.mean(0) ** 2).sum()
+        expected = (((g**2).sum() - N * mean_sq) / (N - 1) / (N * mean_sq)).sqrt()
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-9), step
+    assert set(cockpit.routes().values()) == {f"module-local: {kind.__name__} rule"}

@@ -72,13 +72,14 @@ def regroup(calls, n, guess):
     """Regroups ``calls`` whose rows are not the ``n`` samples into per-sample calls, where each
     row's sample is read from the graph, or taken sample-major where ``n`` divides the rows and
     ``guess(call)`` (the engine: where its proof checks it, or checked it). Calls taken
-    time-first, shared by every sample, or regrouped already are left as they are, as are those
-    whose rows cannot be told apart (the engine's checks then send them to the whole graph)."""
+    time-first, shared by every sample, regrouped already or given packed sequences (whose rows
+    are tokens that the batch sizes assign) are left as they are, as are those whose rows cannot
+    be told apart (the engine's checks then send them to the whole graph)."""
     if n == 0:
         return
     memo = {}
     for call in calls:
-        if call.routed is not None or call.shared or call.sample_dim != 0 or not call.output_shapes:
+        if call.routed is not None or call.shared or call.packed or call.sample_dim != 0 or not call.output_shapes:
             continue
         rows = call.output_shapes[0][0] if len(call.output_shapes[0]) else None
         # No rows: no sample, whatever the graph says.
