@@ -495,6 +495,44 @@ def _cross_entropies(forward, x, y):
     return F.cross_entropy(forward(x), y, reduction="none")
 
 
+class _SecondOutputDerived(nn.Module):
+    """Returns its product and a view or a function of it."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight, self.how = nn.Parameter(torch.randn(3, 6, dtype=torch.float64)), how
+
+    def forward(self, x):
+        y = x @ self.weight
+        return y, (y[..., :2] if self.how == "view" else 2 * y.tanh())
+
+
+@pytest.mark.parametrize("how", ["view", "function"])
+def test_an_output_computed_from_another_output_of_its_call_takes_the_whole_graph(how):
+    """The hook on the first output gets the share of the gradient that passes through the second
+    too; a rule given both counted it twice. The second output enters the losses only after the
+    checks' step, so no check saw it: the per-sample gradients came out all but twice too large,
+    with no warning."""
+    model = _SecondOutputDerived(how)
+    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(N, 5, 3, generator=gen, dtype=torch.float64)
+        model.zero_grad()
+        y, second = model(x)
+        losses = y.tanh().sum((1, 2)) + step * second.square().sum((1, 2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+        g = torch.stack([torch.autograd.grad(loss, model.weight, retain_graph=True)[0].flatten() for loss in losses])
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        noticed = [str(w.message) for w in caught if "computed from another it returns" in str(w.message)]
+        assert len(noticed) == (step == 0), [str(w.message) for w in caught]  # (once)
+    assert cockpit.routes() == {"weight": "whole graph"}
+
+
 def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(monkeypatch):
     """T5's shared position bias fails the first proof as one call for all samples and is checked
     again taken apart, in a second backward pass: the first's per-sample gradients (every call's

@@ -67,6 +67,7 @@ class Call:
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
+        self.outputs_derived = len(outputs) > 1 and _outputs_derived(outputs, (*args, *(kwargs or {}).values()))
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -258,6 +259,25 @@ def _computed_inside(node, inputs):
         cudnn = cudnn or type(node).__name__.startswith(("Convolution", "CudnnRnn", "CudnnConvolution"))
         stack += [next_node for next_node, _ in node.next_functions]
     return least_precise(dtypes), cudnn
+
+
+def _outputs_derived(outputs, inputs):
+    """Whether one of a call's outputs is computed from another (a view or function of it), as
+    its own nodes show (:func:`_computed_inside`): the hook on that other then gets the share of
+    the gradient that passes through the first as well, which a rule given both counts twice."""
+    made_after = max((t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
+    edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
+    seen, stack = set(), [o.grad_fn for o in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node._sequence_nr() <= made_after:
+            continue
+        seen.add(node)
+        for edge in node.next_functions:
+            if edge in edges:
+                return True
+            stack.append(edge[0])
+    return False
 
 
 TF32 = torch.float16

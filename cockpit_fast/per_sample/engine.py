@@ -305,6 +305,11 @@ class Engine:
                     f"the samples of its calls of {type(call.module).__name__} cannot be told apart (upstream of "
                     "modules whose samples interact, or one call shared by every sample)"
                 )
+            elif call.outputs_derived:
+                why = (
+                    f"its module {type(call.module).__name__} returns an output computed from another it returns (a "
+                    "view or function of it): a module-local rule, given the gradients of both, counts a share twice"
+                )
             elif call.layout_unknown:
                 why = (
                     f"its module {type(call.module).__name__} was called with its samples along dimension 0 and "
