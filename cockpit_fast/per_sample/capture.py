@@ -67,7 +67,8 @@ class Call:
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
-        self.outputs_derived = len(outputs) > 1 and _outputs_derived(outputs, (*args, *(kwargs or {}).values()))
+        # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one can).
+        self.outputs_entangled = _outputs_entangled(module, outputs, (args, kwargs))
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -261,23 +262,35 @@ def _computed_inside(node, inputs):
     return least_precise(dtypes), cudnn
 
 
-def _outputs_derived(outputs, inputs):
-    """Whether one of a call's outputs is computed from another (a view or function of it), as
-    its own nodes show (:func:`_computed_inside`): the hook on that other then gets the share of
-    the gradient that passes through the first as well, which a rule given both counts twice."""
-    made_after = max((t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
+def _outputs_entangled(module, outputs, inputs):
+    """Why the hooks on a call's several outputs cannot give its parameters' gradients sample by
+    sample, or None. An output that is one of its parameters is used by its caller, outside the
+    call. An output computed from another that the parameters reach (a view or function of it,
+    as the call's own nodes show, :func:`_computed_inside`): the hook on that other gets the
+    share of the gradient passing through the first too, which a rule given both counts twice."""
+    own = {id(p) for p in module.parameters()}
+    if any(o.grad_fn is None and id(o) in own for o in outputs):
+        return "returns one of its parameters itself (its caller uses it outside the call)"
+    if len(outputs) < 2:
+        return None
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    made_after = max((t.grad_fn._sequence_nr() for t in tensors), default=-1)
+
+    def reached(starts):
+        seen, stack = set(), list(starts)
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node._sequence_nr() <= made_after:
+                continue
+            seen.add(node)
+            stack += [next_node for next_node, _ in node.next_functions]
+        return seen
+
     edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
-    seen, stack = set(), [o.grad_fn for o in outputs]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or node._sequence_nr() <= made_after:
-            continue
-        seen.add(node)
-        for edge in node.next_functions:
-            if edge in edges:
-                return True
-            stack.append(edge[0])
-    return False
+    sources = {edge for node in reached(o.grad_fn for o in outputs) for edge in node.next_functions if edge in edges}
+    if any(id(getattr(node, "variable", None)) in own for node in reached(node for node, _ in sources)):
+        return "returns an output computed from another it returns (a view or function of it), whose gradient a rule given both counts twice"
+    return None
 
 
 TF32 = torch.float16
@@ -446,12 +459,14 @@ class Capture:
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
-        if len(outputs) == 1:
+        # None on a leaf (a parameter handed out): the hook would stay on it.
+        if len(outputs) == 1 and outputs[0].grad_fn is not None:
             _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]))
-        else:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
+        elif len(outputs) > 1:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
             # On each output itself: one may view a tensor the call uses further (attention weights).
             for index, out in enumerate(outputs):
-                out.register_hook(lambda grad, index=index: _call(me, "_fire_output", call, index, grad))
+                if out.grad_fn is not None:
+                    out.register_hook(lambda grad, index=index: _call(me, "_fire_output", call, index, grad))
         return replaced
 
     @property

@@ -305,11 +305,8 @@ class Engine:
                     f"the samples of its calls of {type(call.module).__name__} cannot be told apart (upstream of "
                     "modules whose samples interact, or one call shared by every sample)"
                 )
-            elif call.outputs_derived:
-                why = (
-                    f"its module {type(call.module).__name__} returns an output computed from another it returns (a "
-                    "view or function of it): a module-local rule, given the gradients of both, counts a share twice"
-                )
+            elif call.outputs_entangled:
+                why = f"its module {type(call.module).__name__} {call.outputs_entangled}"
             elif call.layout_unknown:
                 why = (
                     f"its module {type(call.module).__name__} was called with its samples along dimension 0 and "
@@ -331,7 +328,8 @@ class Engine:
                     "cockpit.expect(step))" if self._resumed else
                     "its calls were gone through by an earlier tracked backward pass (per-sample gradients "
                     "taken again from one graph)" if id(p) in gone_through else
-                    "no module call used it (used before the cockpit was made?)"
+                    "no module call computed with it (used before the cockpit was made, or handed out as it is by its "
+                    "module's forward?)"
                 )
                 needs.setdefault(id(p), why)
         if self.capture.mixing and not has_losses:
