@@ -548,6 +548,33 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
     assert not model.weight._backward_hooks
 
 
+class _Dropping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight, self.drop = nn.Parameter(torch.randn(5, 5) * 0.3), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return torch.tanh(self.drop(x) @ self.weight)
+
+
+def test_the_whole_graph_notice_comes_once_for_many_parameters():
+    """Its text listed the parameters in the order the step's calls came in a weak set, which
+    changes from step to step: the "one-time" notice came again at most steps (9 of 10)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Dropping() for _ in range(6)])
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # (as a user's script: the same text once)
+        for step in range(6):
+            model.zero_grad()
+            losses = model(torch.randn(N, 5, generator=gen)).square().sum(1)
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+    notices = [str(w.message) for w in caught if "whole-graph route" in str(w.message)]
+    assert len(notices) == 1 and "6 tracked parameters (0.weight, 1.weight, 2.weight, 3.weight, 4.weight, 5.weight)" in notices[0], notices
+
+
 def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(monkeypatch):
     """T5's shared position bias fails the first proof as one call for all samples and is checked
     again taken apart, in a second backward pass: the first's per-sample gradients (every call's

@@ -413,8 +413,8 @@ class Engine:
         self._routes = routes
 
     def _warn_once(self, needs):
-        by_reason = {}
-        for key, why in needs.items():
+        by_reason, position = {}, {id(p): i for i, p in enumerate(self.params)}
+        for key, why in sorted(needs.items(), key=lambda item: position.get(item[0], -1)):  # (one text for one set)
             by_reason.setdefault(why, []).append(key)
         for why, keys in by_reason.items():
             message = (
