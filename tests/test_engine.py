@@ -575,6 +575,29 @@ def test_the_whole_graph_notice_comes_once_for_many_parameters():
     assert len(notices) == 1 and "6 tracked parameters (0.weight, 1.weight, 2.weight, 3.weight, 4.weight, 5.weight)" in notices[0], notices
 
 
+def test_an_output_its_caller_changes_in_place_keeps_its_rule():
+    """nn.MultiheadAttention's batch-first output is a transposed view of its last product; a
+    caller's ``out.mul_(1.5)`` left the hook on that view never firing, and the step raised
+    (batch_l2 not computed, asking for the individual losses it had). The hook sits where the
+    product's gradient arrives, which the change does not bypass."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"pre": nn.Linear(8, 8), "attention": nn.MultiheadAttention(8, 2, batch_first=True)}).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):  # the checks' step, then one by the rules alone
+        model.zero_grad()
+        q = model["pre"](torch.randn(N, 5, 8, generator=gen, dtype=torch.float64))
+        out = model["attention"](q, q, q, need_weights=False)[0]
+        out.mul_(1.5)
+        losses = out.tanh().sum((1, 2))
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert set(cockpit.routes().values()) == {"module-local: MultiheadAttention rule", "module-local: Linear rule"}
+
+
 def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(monkeypatch):
     """T5's shared position bias fails the first proof as one call for all samples and is checked
     again taken apart, in a second backward pass: the first's per-sample gradients (every call's

@@ -701,31 +701,44 @@ def _samples_in(args, sample_dim):
 
 
 def _hook_output_grad(output, fire):
-    """``fire(gradient)`` with the gradient of a call's ``output``. An output that reshapes a
-    whole tensor the call computed (a Linear's on sequences: its matrix product, viewed) is
-    hooked where that tensor's gradient arrives: a hook on the view itself no longer fires once
-    the view is changed in place (Longformer's ``query /= sqrt(d)``), while the tensor's node
-    still receives the gradient of the values before the change."""
-    base, node = output._base, output.grad_fn
-    reshaped = (
+    """``fire(gradient)`` with the gradient of a call's ``output``. An output that views a whole
+    tensor the call computed (a Linear's on sequences: its matrix product, reshaped; attention's
+    output, transposed to batch first) is hooked where that tensor's gradient arrives: a hook on
+    the view itself no longer fires once the view is changed in place (Longformer's
+    ``query /= sqrt(d)``, a caller's ``out.mul_(2)``), while the tensor's node still receives
+    the gradient of the values before the change. (The call has this one output: nothing else
+    of it reads the tensor.)"""
+    base = output._base  # (the tensor the chain of views starts from)
+    viewed = (
         base is not None
         and base.grad_fn is not None
-        and node.next_functions[:1] == ((base.grad_fn, base.output_nr),)
         and base.numel() == output.numel()
         and base.is_contiguous()
-        and output.is_contiguous()
-        and base.storage_offset() == output.storage_offset()
+        and _views_of(output.grad_fn, (base.grad_fn, base.output_nr))
     )
-    if not reshaped:
+    if not viewed:
         output.register_hook(fire)
         return
-    shape, index = output.shape, base.output_nr
+    shape, stride, offset, index = output.shape, output.stride(), output.storage_offset() - base.storage_offset(), base.output_nr
 
     def hook(grads):
         if grads[index] is not None:
-            fire(grads[index].reshape(shape))
+            fire(grads[index].contiguous().as_strided(shape, stride, offset).contiguous())
 
     base.grad_fn.register_prehook(hook)
+
+
+def _views_of(node, edge, most=8):
+    """Whether autograd's ``node`` reaches ``edge`` through nodes of one input each (the views
+    between a tensor and its base; an in-place change in between makes a node of two)."""
+    for _ in range(most):
+        inputs = [next_edge for next_edge in node.next_functions if next_edge[0] is not None]
+        if len(inputs) != 1:
+            return False
+        if inputs[0] == edge:
+            return True
+        node = inputs[0][0]
+    return False
 
 
 def _call(ref, method, *args):
