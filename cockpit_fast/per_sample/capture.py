@@ -268,10 +268,12 @@ def _outputs_entangled(module, outputs, inputs):
     call. An output computed from another that the parameters reach (a view or function of it,
     as the call's own nodes show, :func:`_computed_inside`): the hook on that other gets the
     share of the gradient passing through the first too, which a rule given both counts twice."""
+    if len(outputs) == 1 and outputs[0].grad_fn is not None:  # (most calls)
+        return None
     own = {id(p) for p in module.parameters()}
     if any(o.grad_fn is None and id(o) in own for o in outputs):
         return "returns one of its parameters itself (its caller uses it outside the call)"
-    if len(outputs) < 2:
+    if len(outputs) == 1:
         return None
     tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     made_after = max((t.grad_fn._sequence_nr() for t in tensors), default=-1)
