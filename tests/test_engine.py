@@ -598,6 +598,28 @@ def test_an_output_its_caller_changes_in_place_keeps_its_rule():
     assert set(cockpit.routes().values()) == {"module-local: MultiheadAttention rule", "module-local: Linear rule"}
 
 
+def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory():
+    """Two heads on sequences (a Linear's output views its product) stacked by the caller, in an
+    order that changes after the checks' step: each head's product's gradient is a slice of the
+    stack's, starting partway into its memory. Read from the memory's start, one head got the
+    other's gradient (NormTest 30% off, no warning)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(5, 5), "b": nn.Linear(5, 5)}).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step, order in enumerate(["ab", "ba"]):
+        model.zero_grad()
+        x = torch.randn(N, 3, 5, generator=gen, dtype=torch.float64)
+        stacked = torch.stack([model[head](x) for head in order])
+        losses = (stacked.tanh() * torch.arange(1.0, 3.0, dtype=torch.float64).view(2, 1, 1, 1)).sum((0, 2, 3))
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+
+
 def test_the_checks_second_pass_does_not_hold_the_firsts_per_sample_gradients(monkeypatch):
     """T5's shared position bias fails the first proof as one call for all samples and is checked
     again taken apart, in a second backward pass: the first's per-sample gradients (every call's

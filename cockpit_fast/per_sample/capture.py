@@ -463,7 +463,7 @@ class Capture:
         me = weakref.ref(self)
         # None on a leaf (a parameter handed out): the hook would stay on it.
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
-            _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]))
+            _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]), lambda: _call(me, "_wants", call))
         elif len(outputs) > 1:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
             # On each output itself: one may view a tensor the call uses further (attention weights).
             for index, out in enumerate(outputs):
@@ -503,6 +503,10 @@ class Capture:
         # A shared call's output gets the samples' gradients summed: its broadcasts' count instead.
         if self.armed and call.shared == broadcast:
             self._fired.append((call, [self._taken(call, g, i) for i, g in enumerate(grads)]))
+
+    def _wants(self, call):
+        """Whether the pass under way keeps ``call``'s own output gradients (:meth:`_fire`)."""
+        return self.armed and not call.shared
 
     def _fire_output(self, call, index, grad):
         """The gradient of one of a call's several outputs, gathered with the others the pass
@@ -702,20 +706,21 @@ def _samples_in(args, sample_dim):
     return first.shape[sample_dim] if first is not None and first.dim() > sample_dim else 1
 
 
-def _hook_output_grad(output, fire):
+def _hook_output_grad(output, fire, wanted):
     """``fire(gradient)`` with the gradient of a call's ``output``. An output that views a whole
     tensor the call computed (a Linear's on sequences: its matrix product, reshaped; attention's
     output, transposed to batch first) is hooked where that tensor's gradient arrives: a hook on
     the view itself no longer fires once the view is changed in place (Longformer's
     ``query /= sqrt(d)``, a caller's ``out.mul_(2)``), while the tensor's node still receives
-    the gradient of the values before the change. (The call has this one output: nothing else
-    of it reads the tensor.)"""
+    the gradient of the values before the change (mapped to the view where ``wanted()``: a
+    transpose copies). The call has this one output: nothing else of it reads the tensor."""
     base = output._base  # (the tensor the chain of views starts from)
     viewed = (
         base is not None
         and base.grad_fn is not None
         and base.numel() == output.numel()
         and base.is_contiguous()
+        and _permutes(output)
         and _views_of(output.grad_fn, (base.grad_fn, base.output_nr))
     )
     if not viewed:
@@ -724,10 +729,23 @@ def _hook_output_grad(output, fire):
     shape, stride, offset, index = output.shape, output.stride(), output.storage_offset() - base.storage_offset(), base.output_nr
 
     def hook(grads):
-        if grads[index] is not None:
-            fire(grads[index].contiguous().as_strided(shape, stride, offset).contiguous())
+        if grads[index] is not None and wanted():
+            grad = grads[index].contiguous()  # (it may start partway into its memory: a slice of a stack's gradient)
+            fire(grad.as_strided(shape, stride, grad.storage_offset() + offset).contiguous())
 
     base.grad_fn.register_prehook(hook)
+
+
+def _permutes(view):
+    """Whether ``view``'s elements lie densely, each once (its strides, sorted, those of a
+    contiguous tensor): of a contiguous tensor with as many elements, it holds them all in
+    another order (not an expansion repeating some)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for stride, size in zip(view.stride(), view.shape) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _views_of(node, edge, most=8):
