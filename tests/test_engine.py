@@ -33,6 +33,11 @@ def _norm_test(g):
     return float((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
 
 
+def _one_pass_per_sample(losses, params):
+    """``(N, D)`` every sample's gradient of ``params``, flattened, from a backward pass of its own."""
+    return torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -540,7 +545,7 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
             warnings.simplefilter("always")
             with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
                 losses.mean().backward(retain_graph=True)
-        g = torch.stack([torch.autograd.grad(loss, model.weight, retain_graph=True)[0].flatten() for loss in losses])
+        g = _one_pass_per_sample(losses, [model.weight])
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
         noticed = [str(w.message) for w in caught if why is not None and why in str(w.message)]
         assert len(noticed) == (why is not None and step == 0), [str(w.message) for w in caught]  # (once)
@@ -593,7 +598,7 @@ def test_an_output_its_caller_changes_in_place_keeps_its_rule():
         losses = out.tanh().sum((1, 2))
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-        g = torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+        g = _one_pass_per_sample(losses, params)
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
     assert set(cockpit.routes().values()) == {"module-local: MultiheadAttention rule", "module-local: Linear rule"}
 
@@ -615,7 +620,7 @@ def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory()
         losses = (stacked.tanh() * torch.arange(1.0, 3.0, dtype=torch.float64).view(2, 1, 1, 1)).sum((0, 2, 3))
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-        g = torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
+        g = _one_pass_per_sample(losses, params)
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
     assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
 
@@ -761,7 +766,7 @@ def test_the_whole_graph_through_an_op_vmap_cannot_batch_takes_one_sample_a_pass
     assert cockpit.routes()["lin.weight"] == "whole graph"
     twin = copy.deepcopy(model)  # the oracle: one backward pass per sample through the batch's forward pass
     losses = F.cross_entropy(twin(x), y, reduction="none")
-    g = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(loss, list(twin.parameters()), retain_graph=True)]) for loss in losses])
+    g = _one_pass_per_sample(losses, list(twin.parameters()))
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-10)
 
 

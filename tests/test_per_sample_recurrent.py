@@ -17,6 +17,7 @@ from any_models import CLASSES, VOCAB, WIDTH, class_losses, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, rules
 from cockpit_fast.per_sample.recurrent import recurrent
+from test_engine import _norm_test
 
 N, STEPS, INPUT, HIDDEN, PROJECTED = 4, 6, 3, 5, 2
 LENGTHS = {"sorted": [6, 4, 2, 1], "unsorted": [2, 6, 1, 4], "twelve_tokens": [2, 5, 1, 4]}  # packed sequences of unequal lengths
@@ -365,11 +366,8 @@ def test_a_state_carried_across_tracked_steps_without_detach_gets_every_calls_sh
         losses = nn.functional.cross_entropy(model(x), y, reduction="none")
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-    per_sample = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
-    g = torch.stack([torch.cat([part.flatten() for part in grads]) for grads in per_sample])
-    mean_sq = (g.mean(0) ** 2).sum()
-    expected = (((g**2).sum() - N * mean_sq) / (N - 1) / (N * mean_sq)).sqrt()
-    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+    g = torch.cat([part.flatten(1) for part in _one_sample_at_a_time(params, losses)], 1)
+    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9)
     routes = cockpit.routes()
     assert [routes[f"layer.{name}"] for name, _ in model.layer.named_parameters()] == [f"module-local: {kind.__name__} rule"] * 4, routes
 
@@ -391,7 +389,5 @@ def test_packed_tokens_as_many_as_a_multiple_of_the_samples_are_not_taken_for_ro
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
         g = torch.cat([part.flatten(1) for part in _one_sample_at_a_time(params, losses)], 1)
-        mean_sq = (g.mean(0) ** 2).sum()
-        expected = (((g**2).sum() - N * mean_sq) / (N - 1) / (N * mean_sq)).sqrt()
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-9), step
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
     assert set(cockpit.routes().values()) == {f"module-local: {kind.__name__} rule"}
