@@ -243,22 +243,31 @@ def _computed_in(args, outputs, autocast):
     return least_precise(dtypes)
 
 
-def _computed_inside(node, inputs):
-    """The least precise floating dtype among the values of a call's own autograd nodes, from
-    its output's ``node`` down to those of its ``inputs`` (autograd numbers nodes in the order
-    it makes them): a cast inside its forward, as Gemma's norm computes a float64 model's values
-    in float32, rounds its parameters' gradients there; and whether one of them is cuDNN's
-    (a convolution or a recurrent layer, :func:`_float32_on_gpu`)."""
-    made_after = max((t.grad_fn._sequence_nr() for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=-1)
-    dtypes, seen, stack, cudnn = [], set(), [node], False
+def _own_nodes(starts, inputs):
+    """The autograd nodes a call made, from those in ``starts`` (its outputs') down to those of
+    its ``inputs`` (tensors anywhere inside them; autograd numbers nodes in the order it makes
+    them, so a node numbered at most as the last input's is not the call's)."""
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    made_after = max((t.grad_fn._sequence_nr() for t in tensors), default=-1)
+    seen, stack = set(), list(starts)
     while stack:
         node = stack.pop()
         if node is None or node in seen or node._sequence_nr() <= made_after:
             continue
         seen.add(node)
-        dtypes += [meta.dtype for meta in node._input_metadata if meta.dtype.is_floating_point]
-        cudnn = cudnn or type(node).__name__.startswith(("Convolution", "CudnnRnn", "CudnnConvolution"))
         stack += [next_node for next_node, _ in node.next_functions]
+    return seen
+
+
+def _computed_inside(node, inputs):
+    """The least precise floating dtype among the values of a call's own autograd nodes, from
+    its output's ``node`` down to those of its ``inputs`` (:func:`_own_nodes`): a cast inside
+    its forward, as Gemma's norm computes a float64 model's values in float32, rounds its
+    parameters' gradients there; and whether one of them is cuDNN's (a convolution or a
+    recurrent layer, :func:`_float32_on_gpu`)."""
+    nodes = _own_nodes([node], inputs)
+    dtypes = [meta.dtype for node in nodes for meta in node._input_metadata if meta.dtype.is_floating_point]
+    cudnn = any(type(node).__name__.startswith(("Convolution", "CudnnRnn", "CudnnConvolution")) for node in nodes)
     return least_precise(dtypes), cudnn
 
 
@@ -266,8 +275,8 @@ def _outputs_entangled(module, outputs, inputs):
     """Why the hooks on a call's several outputs cannot give its parameters' gradients sample by
     sample, or None. An output that is one of its parameters is used by its caller, outside the
     call. An output computed from another that the parameters reach (a view or function of it,
-    as the call's own nodes show, :func:`_computed_inside`): the hook on that other gets the
-    share of the gradient passing through the first too, which a rule given both counts twice."""
+    as the call's own nodes show): the hook on that other gets the share of the gradient
+    passing through the first too, which a rule given both counts twice."""
     if len(outputs) == 1 and outputs[0].grad_fn is not None:  # (most calls)
         return None
     own = {id(p) for p in module.parameters()}
@@ -275,22 +284,10 @@ def _outputs_entangled(module, outputs, inputs):
         return "returns one of its parameters itself (its caller uses it outside the call)"
     if len(outputs) == 1:
         return None
-    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    made_after = max((t.grad_fn._sequence_nr() for t in tensors), default=-1)
-
-    def reached(starts):
-        seen, stack = set(), list(starts)
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or node._sequence_nr() <= made_after:
-                continue
-            seen.add(node)
-            stack += [next_node for next_node, _ in node.next_functions]
-        return seen
-
     edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
-    sources = {edge for node in reached(o.grad_fn for o in outputs) for edge in node.next_functions if edge in edges}
-    if any(id(getattr(node, "variable", None)) in own for node in reached(node for node, _ in sources)):
+    made = _own_nodes([o.grad_fn for o in outputs], inputs)
+    sources = {edge for node in made for edge in node.next_functions if edge in edges}
+    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], inputs)):
         return "returns an output computed from another it returns (a view or function of it), whose gradient a rule given both counts twice"
     return None
 
@@ -511,7 +508,7 @@ class Capture:
     def _fire_output(self, call, index, grad):
         """The gradient of one of a call's several outputs, gathered with the others the pass
         gives it (None for those it does not reach)."""
-        if self.armed and not call.shared:
+        if self._wants(call):
             grads = self._reached.get(call)
             if grads is None:
                 grads = self._reached[call] = [self._taken(call, None, i) for i in range(len(call.output_shapes))]

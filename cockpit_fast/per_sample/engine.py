@@ -316,7 +316,6 @@ class Engine:
                 why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
             if why is not None:
                 needs.update(dict.fromkeys(ids, why))
-        gone_through = {id(p) for call in self.capture.recent if call.spent for p in call.params.values()}
         for p in tracked:
             if id(p) in self._whole_only:
                 needs.setdefault(id(p), self._whole_only[id(p)])
@@ -327,7 +326,7 @@ class Engine:
                     "the cockpit watches again for the step numbered one more, or one it is told of with "
                     "cockpit.expect(step))" if self._resumed else
                     "its calls were gone through by an earlier tracked backward pass (per-sample gradients "
-                    "taken again from one graph)" if id(p) in gone_through else
+                    "taken again from one graph)" if self._gone_through(p) else
                     "no module call computed with it (used before the cockpit was made, or handed out as it is by its "
                     "module's forward?)"
                 )
@@ -411,6 +410,10 @@ class Engine:
         for key in whole:
             routes[key] = "whole graph"
         self._routes = routes
+
+    def _gone_through(self, param):
+        """Whether a call of ``param`` that a tracked backward pass went through is still alive."""
+        return any(call.spent and any(p is param for p in call.params.values()) for call in self.capture.recent)
 
     def _warn_once(self, needs):
         by_reason, position = {}, {id(p): i for i, p in enumerate(self.params)}
