@@ -7,6 +7,7 @@ import contextlib
 import copy
 import gc
 import sys
+import threading
 import warnings
 import weakref
 
@@ -551,6 +552,34 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
         assert len(noticed) == (why is not None and step == 0), [str(w.message) for w in caught]  # (once)
     assert cockpit.routes() == {"weight": "whole graph" if why else "module-local: _TwoOutputs replayed with torch.func"}
     assert not model.weight._backward_hooks
+
+
+def test_a_forward_pass_in_another_thread_still_shows_outputs_computed_from_another():
+    """Autograd numbers each thread's nodes in the order it makes them. A call's own nodes were
+    told by numbers above its inputs': a forward pass in a worker thread on an input made in
+    the main thread (numbered higher, on its own) seemed to make none, so ``(y, y[..., :2])``
+    kept the rule, which counted the view's share twice once the view entered the losses after
+    the checks' step (NormTest 3x off, silently). They are told by the number the call's
+    thread had reached when it began."""
+    model = _TwoOutputs("view")
+    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        leaf = torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(100):  # (the main thread's numbers ahead of a new thread's)
+            x = leaf * 1.0
+        model.zero_grad()
+        outputs = []
+        worker = threading.Thread(target=lambda: outputs.extend(model(x)))
+        worker.start()
+        worker.join()
+        y, view = outputs
+        losses = y.tanh().sum((1, 2)) + step * view.square().sum((1, 2))
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = _one_pass_per_sample(losses, [model.weight])
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert cockpit.routes() == {"weight": "whole graph"}
 
 
 class _Dropping(nn.Module):

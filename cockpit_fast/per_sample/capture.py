@@ -39,9 +39,10 @@ class Call:
         direct (set[str]): Which of them are the module's own (a rule serves only those).
         args, kwargs: The call's inputs.
         outputs (list[torch.Tensor]): Its tensor outputs that require grad.
+        made_from (int): The number autograd gave the first node the call made (:func:`_own_nodes`).
     """
 
-    def __init__(self, module, params, direct, args, kwargs, outputs, time_first=False, inferred=False, unknown=False, guessed=False):
+    def __init__(self, module, params, direct, args, kwargs, outputs, made_from, time_first=False, inferred=False, unknown=False, guessed=False):
         self.module, self.params, self.direct = module, params, direct
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
@@ -68,7 +69,7 @@ class Call:
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
         # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one can).
-        self.outputs_entangled = _outputs_entangled(module, outputs, (args, kwargs))
+        self.outputs_entangled = _outputs_entangled(module, outputs, made_from)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -243,35 +244,34 @@ def _computed_in(args, outputs, autocast):
     return least_precise(dtypes)
 
 
-def _own_nodes(starts, inputs):
-    """The autograd nodes a call made, from those in ``starts`` (its outputs') down to those of
-    its ``inputs`` (tensors anywhere inside them; autograd numbers nodes in the order it makes
-    them, so a node numbered at most as the last input's is not the call's)."""
-    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    made_after = max((t.grad_fn._sequence_nr() for t in tensors), default=-1)
+def _own_nodes(starts, made_from):
+    """The autograd nodes a call made, from those in ``starts`` (its outputs') down: autograd
+    numbers the nodes a thread makes in order, and the call's thread had numbered up to
+    ``made_from`` when it began (its inputs' numbers cannot tell: another thread may have made
+    them, numbered on its own, and the call may change one in place)."""
     seen, stack = set(), list(starts)
     while stack:
         node = stack.pop()
-        if node is None or node in seen or node._sequence_nr() <= made_after:
+        if node is None or node in seen or node._sequence_nr() < made_from:
             continue
         seen.add(node)
         stack += [next_node for next_node, _ in node.next_functions]
     return seen
 
 
-def _computed_inside(node, inputs):
+def _computed_inside(node, made_from):
     """The least precise floating dtype among the values of a call's own autograd nodes, from
-    its output's ``node`` down to those of its ``inputs`` (:func:`_own_nodes`): a cast inside
+    its output's ``node`` down (:func:`_own_nodes`): a cast inside
     its forward, as Gemma's norm computes a float64 model's values in float32, rounds its
     parameters' gradients there; and whether one of them is cuDNN's (a convolution or a
     recurrent layer, :func:`_float32_on_gpu`)."""
-    nodes = _own_nodes([node], inputs)
+    nodes = _own_nodes([node], made_from)
     dtypes = [meta.dtype for node in nodes for meta in node._input_metadata if meta.dtype.is_floating_point]
     cudnn = any(type(node).__name__.startswith(("Convolution", "CudnnRnn", "CudnnConvolution")) for node in nodes)
     return least_precise(dtypes), cudnn
 
 
-def _outputs_entangled(module, outputs, inputs):
+def _outputs_entangled(module, outputs, made_from):
     """Why the hooks on a call's several outputs cannot give its parameters' gradients sample by
     sample, or None. An output that is one of its parameters is used by its caller, outside the
     call. An output computed from another that the parameters reach (a view or function of it,
@@ -285,9 +285,9 @@ def _outputs_entangled(module, outputs, inputs):
     if len(outputs) == 1:
         return None
     edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
-    made = _own_nodes([o.grad_fn for o in outputs], inputs)
+    made = _own_nodes([o.grad_fn for o in outputs], made_from)
     sources = {edge for node in made for edge in node.next_functions if edge in edges}
-    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], inputs)):
+    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made_from)):
         return "returns an output computed from another it returns (a view or function of it), whose gradient a rule given both counts twice"
     return None
 
@@ -378,14 +378,14 @@ class Capture:
         time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
         if not self._frames:  # the model's input shows its samples (a first call may not: positions looked up)
             self._batch = _samples_in(args, 1 if time_first else 0)
-        self._frames.append((module, set(), time_first))
+        self._frames.append((module, set(), time_first, torch._C._autograd._get_sequence_nr()))
 
     def _exit(self, module, args, kwargs=None, output=None):  # no output: the forward raised
         while self._frames and self._frames[-1][0] is not module:  # a call that raised
             self._frames.pop()
         if not self._frames:
             return
-        _, claimed_inside, time_first = self._frames.pop()
+        _, claimed_inside, time_first, made_from = self._frames.pop()
         if _replaying[0] or not torch.is_grad_enabled():
             return None
         # Whether a parameter is trained may change between steps (gradual unfreezing).
@@ -442,11 +442,11 @@ class Capture:
             found = self.layouts.get(module)
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
-        call = Call(module, params, direct, args, kwargs, outputs, time_first, inferred, layout_unknown, layout_guessed)
+        call = Call(module, params, direct, args, kwargs, outputs, made_from, time_first, inferred, layout_unknown, layout_guessed)
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)
-            inside[device.type] = _computed_inside(outputs[0].grad_fn, (*args, *(kwargs or {}).values()))
+            inside[device.type] = _computed_inside(outputs[0].grad_fn, made_from)
         cast, cudnn = inside[device.type]
         computed_in = least_precise([call.computed_in, cast])
         call.computed_in = least_precise([computed_in, _float32_on_gpu(computed_in, device, cudnn)])
