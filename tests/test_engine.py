@@ -609,11 +609,13 @@ def test_the_whole_graph_notice_comes_once_for_many_parameters():
     assert len(notices) == 1 and "6 tracked parameters (0.weight, 1.weight, 2.weight, 3.weight, 4.weight, 5.weight)" in notices[0], notices
 
 
-def test_an_output_its_caller_changes_in_place_keeps_its_rule():
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_an_output_its_caller_changes_in_place_keeps_its_rule(need_weights):
     """nn.MultiheadAttention's batch-first output is a transposed view of its last product; a
-    caller's ``out.mul_(1.5)`` left the hook on that view never firing, and the step raised
-    (batch_l2 not computed, asking for the individual losses it had). The hook sits where the
-    product's gradient arrives, which the change does not bypass."""
+    caller's ``out.mul_(1.5)`` or ``out += q`` left the hook on that view never firing, and the
+    step raised (batch_l2 not computed, asking for the individual losses it had). The hook sits
+    where the product's gradient arrives, which the change does not bypass; also beside the
+    attention weights (need_weights=True, the default), which do not read that product."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"pre": nn.Linear(8, 8), "attention": nn.MultiheadAttention(8, 2, batch_first=True)}).double()
     params = list(model.parameters())
@@ -622,14 +624,60 @@ def test_an_output_its_caller_changes_in_place_keeps_its_rule():
     for step in range(2):  # the checks' step, then one by the rules alone
         model.zero_grad()
         q = model["pre"](torch.randn(N, 5, 8, generator=gen, dtype=torch.float64))
-        out = model["attention"](q, q, q, need_weights=False)[0]
-        out.mul_(1.5)
-        losses = out.tanh().sum((1, 2))
+        out, weights = model["attention"](q, q, q, need_weights=need_weights)
+        if need_weights:
+            out += q
+        else:
+            out.mul_(1.5)
+        losses = out.tanh().sum((1, 2)) + (0 if weights is None else weights.square().sum((1, 2)))
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
         g = _one_pass_per_sample(losses, params)
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
     assert set(cockpit.routes().values()) == {"module-local: MultiheadAttention rule", "module-local: Linear rule"}
+
+
+class _ViewsItsProduct(nn.Module):
+    """Returns its product flattened (a view) and summed, both read from the product; or a slice
+    of the product alone."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight, self.how = nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), how
+
+    def forward(self, x):
+        product = x.tanh() @ self.weight
+        return (product.flatten(1), product.sum(-1)) if self.how == "flat and summed" else (product[..., :2],)
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [("flat and summed", "do not add up to its gradient"), ("sliced", "output never reached the hook on it")],
+)
+def test_an_output_changed_in_place_where_no_hook_follows_it_takes_the_whole_graph(how, why):
+    """A flattened output changed in place by the caller cannot be hooked where the product's
+    gradient arrives when a second output reads the product too: that one's share arrives there
+    as well (counted twice, silently, once it entered the losses after the checks' step: NormTest
+    2.8x). Nor can a slice. Hooked on itself, the hook never fires once the output is changed:
+    the sums show it, and the step raised where no hook of the call fired (batch_l2 not computed,
+    asking for the individual losses it had). Its parameters take the whole graph, saying why."""
+    model = _ViewsItsProduct(how)
+    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            model.zero_grad()
+            changed, *summed = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True) * 1.0)
+            changed.mul_(1.5)
+            losses = changed.tanh().flatten(1).sum(1) + sum(step * s.square().sum(1) for s in summed)
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+            g = _one_pass_per_sample(losses, [model.weight])
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert cockpit.routes() == {"weight": "whole graph"}
+    assert any(why in str(w.message) and "changed in place where no hook follows it" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
 def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory():

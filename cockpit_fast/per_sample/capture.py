@@ -458,14 +458,15 @@ class Capture:
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
+        wanted = lambda: _call(me, "_wants", call)  # noqa: E731
         # None on a leaf (a parameter handed out): the hook would stay on it.
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
-            _hook_output_grad(outputs[0], lambda grad: _call(me, "_fire", call, [grad]), lambda: _call(me, "_wants", call))
+            _hook_output_grad(outputs[0], (), made_from, lambda grad: _call(me, "_fire", call, [grad]), wanted)
         elif len(outputs) > 1:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
-            # On each output itself: one may view a tensor the call uses further (attention weights).
             for index, out in enumerate(outputs):
                 if out.grad_fn is not None:
-                    out.register_hook(lambda grad, index=index: _call(me, "_fire_output", call, index, grad))
+                    others = outputs[:index] + outputs[index + 1 :]
+                    _hook_output_grad(out, others, made_from, lambda grad, index=index: _call(me, "_fire_output", call, index, grad), wanted)
         return replaced
 
     @property
@@ -703,14 +704,15 @@ def _samples_in(args, sample_dim):
     return first.shape[sample_dim] if first is not None and first.dim() > sample_dim else 1
 
 
-def _hook_output_grad(output, fire, wanted):
+def _hook_output_grad(output, others, made_from, fire, wanted):
     """``fire(gradient)`` with the gradient of a call's ``output``. An output that views a whole
     tensor the call computed (a Linear's on sequences: its matrix product, reshaped; attention's
     output, transposed to batch first) is hooked where that tensor's gradient arrives: a hook on
     the view itself no longer fires once the view is changed in place (Longformer's
-    ``query /= sqrt(d)``, a caller's ``out.mul_(2)``), while the tensor's node still receives
-    the gradient of the values before the change (mapped to the view where ``wanted()``: a
-    transpose copies). The call has this one output: nothing else of it reads the tensor."""
+    ``query /= sqrt(d)``, a caller's ``out += residual``), while the tensor's node still
+    receives the gradient of the values before the change (mapped to the view where
+    ``wanted()``: a transpose copies). Not where the call's ``others`` outputs read that tensor
+    too (its gradient there holds their shares; the call's own nodes: :func:`_own_nodes`)."""
     base = output._base  # (the tensor the chain of views starts from)
     viewed = (
         base is not None
@@ -719,6 +721,7 @@ def _hook_output_grad(output, fire, wanted):
         and base.is_contiguous()
         and _permutes(output)
         and _views_of(output.grad_fn, (base.grad_fn, base.output_nr))
+        and (not others or base.grad_fn not in _own_nodes([o.grad_fn for o in others], made_from))
     )
     if not viewed:
         output.register_hook(fire)

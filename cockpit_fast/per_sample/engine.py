@@ -259,10 +259,19 @@ class Engine:
         found = {key: form for key, form in found.items() if key in given}  # as end() does
         unreplayable = {}
         for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given, unreplayable):
-            self._whole_only[key] = "it is used outside its module's forward pass (a functional use elsewhere)"
+            self._whole_only[key] = (
+                "its per-sample gradients do not add up to its gradient: it is used outside its module's forward pass "
+                "(a functional use elsewhere), or an output of its module is changed in place where no hook follows it"
+            )
             whole[key] = self._whole_only[key]
         for key, error in unreplayable.items():
             self._whole_only[key] = f"its call cannot be replayed sample by sample ({error})"
+            whole[key] = self._whole_only[key]
+        for key in given.keys() - found.keys() - whole.keys():
+            self._whole_only[key] = (
+                "the gradient of its module's output never reached the hook on it (an output changed in place where "
+                "no hook follows it)"
+            )
             whole[key] = self._whole_only[key]
         forms = {key: form for key, form in found.items() if key not in whole}
         forms.update(self._whole_graph(losses, tracked, whole, scale, calls))
