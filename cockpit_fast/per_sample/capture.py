@@ -68,8 +68,10 @@ class Call:
         self._replayed = None
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
-        # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one can).
-        self.outputs_entangled = _outputs_entangled(module, outputs, made_from)
+        # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one
+        # can). A rule knows how its module's outputs come about (a packed LSTM's own nodes, a
+        # thousand, cost more to walk than its forward pass, and the objects made collections).
+        self.outputs_entangled = None if self.rule is not None else _outputs_entangled(module, outputs, made_from)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
