@@ -39,6 +39,23 @@ def _one_pass_per_sample(losses, params):
     return torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
 
 
+def _steps_of_norm_test(params, losses_of, steps=2):
+    """A Cockpit's NormTest of ``params`` over ``steps`` steps (the first runs the checks, the
+    later ones the routes alone), each on the losses ``losses_of(step)`` computes once the
+    gradients are zeroed, its graph kept; each step's NormTest must be that of the per-sample
+    gradients from a backward pass per sample. Returns the cockpit."""
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    for step in range(steps):
+        for p in params:
+            p.grad = None
+        losses = losses_of(step)
+        with cockpit(step, info={"batch_size": losses.shape[0], "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = _one_pass_per_sample(losses, params)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    return cockpit
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -534,22 +551,18 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
     up to twice too large (and 50-85% off with the parameter), with no warning. An output the
     first is computed from, which the parameters do not reach, counts nothing twice."""
     model = _TwoOutputs(how)
-    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step in range(2):
-        x = torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)  # (an output of an upstream layer)
-        model.zero_grad()
-        y, second = model(x)
+
+    def losses_of(step):
+        y, second = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True))  # (as an upstream layer's output)
         extra = y @ second.t() if how == "parameter" else second
-        losses = y.tanh().sum((1, 2)) + step * extra.square().sum((1, 2))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, [model.weight])
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
-        noticed = [str(w.message) for w in caught if why is not None and why in str(w.message)]
-        assert len(noticed) == (why is not None and step == 0), [str(w.message) for w in caught]  # (once)
+        return y.tanh().sum((1, 2)) + step * extra.square().sum((1, 2))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit = _steps_of_norm_test([model.weight], losses_of)
+    noticed = [str(w.message) for w in caught if why is not None and why in str(w.message)]
+    assert len(noticed) == (why is not None), [str(w.message) for w in caught]  # (once)
     assert cockpit.routes() == {"weight": "whole graph" if why else "module-local: _TwoOutputs replayed with torch.func"}
     assert not model.weight._backward_hooks
 
@@ -562,23 +575,20 @@ def test_a_forward_pass_in_another_thread_still_shows_outputs_computed_from_anot
     the checks' step (NormTest 3x off, silently). They are told by the number the call's
     thread had reached when it began."""
     model = _TwoOutputs("view")
-    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step in range(2):
+
+    def losses_of(step):
         leaf = torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
         for _ in range(100):  # (the main thread's numbers ahead of a new thread's)
             x = leaf * 1.0
-        model.zero_grad()
         outputs = []
         worker = threading.Thread(target=lambda: outputs.extend(model(x)))
         worker.start()
         worker.join()
         y, view = outputs
-        losses = y.tanh().sum((1, 2)) + step * view.square().sum((1, 2))
-        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, [model.weight])
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        return y.tanh().sum((1, 2)) + step * view.square().sum((1, 2))
+
+    cockpit = _steps_of_norm_test([model.weight], losses_of)
     assert cockpit.routes() == {"weight": "whole graph"}
 
 
@@ -618,22 +628,18 @@ def test_an_output_its_caller_changes_in_place_keeps_its_rule(need_weights):
     attention weights (need_weights=True, the default), which do not read that product."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"pre": nn.Linear(8, 8), "attention": nn.MultiheadAttention(8, 2, batch_first=True)}).double()
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step in range(2):  # the checks' step, then one by the rules alone
-        model.zero_grad()
+
+    def losses_of(step):
         q = model["pre"](torch.randn(N, 5, 8, generator=gen, dtype=torch.float64))
         out, weights = model["attention"](q, q, q, need_weights=need_weights)
         if need_weights:
             out += q
         else:
             out.mul_(1.5)
-        losses = out.tanh().sum((1, 2)) + (0 if weights is None else weights.square().sum((1, 2)))
-        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        return out.tanh().sum((1, 2)) + (0 if weights is None else weights.square().sum((1, 2)))
+
+    cockpit = _steps_of_norm_test(list(model.parameters()), losses_of)
     assert set(cockpit.routes().values()) == {"module-local: MultiheadAttention rule", "module-local: Linear rule"}
 
 
@@ -663,19 +669,16 @@ def test_an_output_changed_in_place_where_no_hook_follows_it_takes_the_whole_gra
     the sums show it, and the step raised where no hook of the call fired (batch_l2 not computed,
     asking for the individual losses it had). Its parameters take the whole graph, saying why."""
     model = _ViewsItsProduct(how)
-    cockpit = Cockpit([model.weight], quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
+
+    def losses_of(step):
+        changed, *summed = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True) * 1.0)
+        changed.mul_(1.5)
+        return changed.tanh().flatten(1).sum(1) + sum(step * s.square().sum(1) for s in summed)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(2):
-            model.zero_grad()
-            changed, *summed = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True) * 1.0)
-            changed.mul_(1.5)
-            losses = changed.tanh().flatten(1).sum(1) + sum(step * s.square().sum(1) for s in summed)
-            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward(retain_graph=True)
-            g = _one_pass_per_sample(losses, [model.weight])
-            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        cockpit = _steps_of_norm_test([model.weight], losses_of)
     assert cockpit.routes() == {"weight": "whole graph"}
     assert any(why in str(w.message) and "changed in place where no hook follows it" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
@@ -687,18 +690,14 @@ def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory()
     other's gradient (NormTest 30% off, no warning)."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(5, 5), "b": nn.Linear(5, 5)}).double()
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step, order in enumerate(["ab", "ba"]):
-        model.zero_grad()
+
+    def losses_of(step):
         x = torch.randn(N, 3, 5, generator=gen, dtype=torch.float64)
-        stacked = torch.stack([model[head](x) for head in order])
-        losses = (stacked.tanh() * torch.arange(1.0, 3.0, dtype=torch.float64).view(2, 1, 1, 1)).sum((0, 2, 3))
-        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        stacked = torch.stack([model[head](x) for head in ["ab", "ba"][step]])
+        return (stacked.tanh() * torch.arange(1.0, 3.0, dtype=torch.float64).view(2, 1, 1, 1)).sum((0, 2, 3))
+
+    cockpit = _steps_of_norm_test(list(model.parameters()), losses_of)
     assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
 
 

@@ -14,10 +14,10 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import any_models
 import test_any_model
 from any_models import CLASSES, VOCAB, WIDTH, class_losses, oracle_grads
-from cockpit_fast import Cockpit, quantities
+from cockpit_fast import quantities
 from cockpit_fast.per_sample import Capture, DenseGrads, FactoredGrads, rules
 from cockpit_fast.per_sample.recurrent import recurrent
-from test_engine import _norm_test
+from test_engine import _steps_of_norm_test
 
 N, STEPS, INPUT, HIDDEN, PROJECTED = 4, 6, 3, 5, 2
 LENGTHS = {"sorted": [6, 4, 2, 1], "unsorted": [2, 6, 1, 4], "twelve_tokens": [2, 5, 1, 4]}  # packed sequences of unequal lengths
@@ -357,17 +357,13 @@ def test_a_state_carried_across_tracked_steps_without_detach_gets_every_calls_sh
     gradients up to a fifth of their scale off, with no warning."""
     torch.manual_seed(0)
     model = CarriedState(kind).double()
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(test_any_model.EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step in range(3):
+
+    def losses_of(step):
         x, y = torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64), torch.randint(0, CLASSES, (N,), generator=gen)
-        model.zero_grad()
-        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-    g = torch.cat([part.flatten(1) for part in _one_sample_at_a_time(params, losses)], 1)
-    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9)
+        return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+    cockpit = _steps_of_norm_test(list(model.parameters()), losses_of, steps=3)
     routes = cockpit.routes()
     assert [routes[f"layer.{name}"] for name, _ in model.layer.named_parameters()] == [f"module-local: {kind.__name__} rule"] * 4, routes
 
@@ -379,15 +375,8 @@ def test_packed_tokens_as_many_as_a_multiple_of_the_samples_are_not_taken_for_ro
     torch.manual_seed(0)
     model = Recurrent(kind(INPUT, HIDDEN, batch_first=True), packing="twelve_tokens").double()
     weights = [torch.randn(STEPS, HIDDEN, dtype=torch.float64)] + [torch.randn(1, HIDDEN, dtype=torch.float64)] * (2 if kind is nn.LSTM else 1)
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(test_any_model.EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step in range(2):  # the checks' step, then one by the rule alone
-        x = torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64)
-        model.zero_grad()
-        losses = _losses(model(x), weights)
-        with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-        g = torch.cat([part.flatten(1) for part in _one_sample_at_a_time(params, losses)], 1)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    cockpit = _steps_of_norm_test(
+        list(model.parameters()), lambda step: _losses(model(torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64)), weights)
+    )
     assert set(cockpit.routes().values()) == {f"module-local: {kind.__name__} rule"}
