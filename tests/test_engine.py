@@ -21,6 +21,7 @@ from any_models import build, flat, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
+from cockpit_fast.per_sample.capture import Call
 from cockpit_fast.utils.training import training_step
 
 N = 6
@@ -592,6 +593,30 @@ def test_a_forward_pass_in_another_thread_still_shows_outputs_computed_from_anot
     assert cockpit.routes() == {"weight": "whole graph"}
 
 
+def test_a_call_in_a_new_thread_reads_only_its_own_nodes():
+    """A new thread numbers its nodes from 0 on: a float64 Linear called there on an input the
+    main thread had rounded through bfloat16 seemed to compute in bfloat16 (the walk went on
+    into the main thread's nodes, numbered higher), and the sum check took bfloat16's tolerance,
+    so a use of its weight outside its call passed it (NormTest 1.5% off). The walk keeps to the
+    numbers the call's thread gave while it ran."""
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 3).double()
+    gen = torch.Generator().manual_seed(1)
+
+    def losses_of(step):
+        rounded = (torch.randn(N, 3, generator=gen, dtype=torch.float64, requires_grad=True) * 1.0).bfloat16().double() * 1.0
+        outputs = []
+        worker = threading.Thread(target=lambda: outputs.append(linear(rounded)))
+        worker.start()
+        worker.join()
+        return outputs[0].tanh().sum(1) + 0.1 * (torch.randn(N, 3, generator=gen, dtype=torch.float64) @ linear.weight).sum(1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cockpit = _steps_of_norm_test(list(linear.parameters()), losses_of, steps=3)
+    assert cockpit.routes() == {"weight": "whole graph", "bias": "module-local: Linear rule"}
+
+
 class _Dropping(nn.Module):
     def __init__(self):
         super().__init__()
@@ -657,30 +682,89 @@ class _ViewsItsProduct(nn.Module):
         return (product.flatten(1), product.sum(-1)) if self.how == "flat and summed" else (product[..., :2],)
 
 
-@pytest.mark.parametrize(
-    "how, why",
-    [("flat and summed", "do not add up to its gradient"), ("sliced", "output never reached the hook on it")],
-)
-def test_an_output_changed_in_place_where_no_hook_follows_it_takes_the_whole_graph(how, why):
-    """A flattened output changed in place by the caller cannot be hooked where the product's
-    gradient arrives when a second output reads the product too: that one's share arrives there
-    as well (counted twice, silently, once it entered the losses after the checks' step: NormTest
-    2.8x). Nor can a slice. Hooked on itself, the hook never fires once the output is changed:
-    the sums show it, and the step raised where no hook of the call fired (batch_l2 not computed,
-    asking for the individual losses it had). Its parameters take the whole graph, saying why."""
+def _changed_views(how, from_step):
+    """The losses of :class:`_ViewsItsProduct` whose first output the caller changes in place
+    from step ``from_step`` on (and then drops: nothing but the graph holds it)."""
     model = _ViewsItsProduct(how)
     gen = torch.Generator().manual_seed(1)
 
     def losses_of(step):
         changed, *summed = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True) * 1.0)
-        changed.mul_(1.5)
+        if step >= from_step:
+            changed.mul_(1.5)
         return changed.tanh().flatten(1).sum(1) + sum(step * s.square().sum(1) for s in summed)
 
+    return model, losses_of
+
+
+@pytest.mark.parametrize("from_step", [0, 1])
+@pytest.mark.parametrize("how", ["flat and summed", "sliced"])
+def test_an_output_changed_in_place_where_no_hook_follows_it_takes_the_whole_graph(how, from_step):
+    """A flattened output changed in place by the caller cannot be hooked where the product's
+    gradient arrives when a second output reads the product too: that one's share arrives there
+    as well (counted twice, silently, once it entered the losses after the checks' step: NormTest
+    2.8x). Nor can a slice. Hooked on itself, the hook never fires once the output is changed:
+    the sums gave it away on the checks' step (or the step raised, batch_l2 not computed, where
+    no hook of the call fired); after it, the per-sample gradients were silently wrong (4-40%),
+    or the step raised. The change is seen before the backward pass: the parameters take the
+    whole graph, saying why."""
+    model, losses_of = _changed_views(how, from_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit = _steps_of_norm_test([model.weight], losses_of, steps=3)
+    assert cockpit.routes() == {"weight": "whole graph"}
+    why = "an output of its call, a view of another tensor, was changed in place after the call (no hook follows it)"
+    assert any(why in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    "how, why", [("flat and summed", "do not add up to its gradient"), ("sliced", "output never reached the hook on it")]
+)
+def test_hooks_that_miss_a_change_in_place_on_the_checks_step_send_the_parameters_to_the_whole_graph(monkeypatch, how, why):
+    """Where a change in place goes unseen before the backward pass (the check of the versions
+    switched off here), the checks' step still finds the parameters' per-sample gradients wrong
+    or missing and takes the whole graph, saying why: no error, no wrong number."""
+    monkeypatch.setattr(Call, "changed_in_place", lambda call: None)
+    model, losses_of = _changed_views(how, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cockpit = _steps_of_norm_test([model.weight], losses_of)
     assert cockpit.routes() == {"weight": "whole graph"}
     assert any(why in str(w.message) and "changed in place where no hook follows it" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+class _Gate(nn.Module):
+    """Its backward pass reads its result only: autograd lets a caller change its input after."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.sigmoid(x + self.bias)
+
+
+def test_an_input_changed_in_place_after_the_call_takes_the_whole_graph():
+    """``h += 1`` after ``gate(h)``, from the step after the checks' on: the replay of the gate
+    read the changed ``h`` (its kept input shares the memory): its bias's per-sample gradients
+    45% off, silently. The change is seen before the backward pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), _Gate()).double()
+    gen = torch.Generator().manual_seed(1)
+
+    def losses_of(step):
+        h = model[0](torch.randn(N, 3, generator=gen, dtype=torch.float64))
+        gated = model[1](h)
+        if step > 0:
+            h += 1.0
+        return (gated.square() + h).sum(1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit = _steps_of_norm_test(list(model.parameters()), losses_of, steps=3)
+    assert list(cockpit.routes().values()) == ["module-local: Linear rule"] * 2 + ["whole graph"]
+    why = "its module _Gate: an input of its call was changed in place after the call"
+    assert any(why in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
 def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory():

@@ -380,3 +380,23 @@ def test_packed_tokens_as_many_as_a_multiple_of_the_samples_are_not_taken_for_ro
         list(model.parameters()), lambda step: _losses(model(torch.randn(N, STEPS, INPUT, generator=gen, dtype=torch.float64)), weights)
     )
     assert set(cockpit.routes().values()) == {f"module-local: {kind.__name__} rule"}
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "time_first_two_layers_bidirectional_initial_state"])
+@pytest.mark.parametrize("layer_name", ["gru", "lstm"])
+def test_an_output_the_caller_changes_in_place_after_the_checks_step(layer_name, layout):
+    """The rule reads the layer's outputs, kept as the call returned them (the same memory): a
+    caller's ``output.mul_(1.5)`` after the checks' step changed them too, and the per-sample
+    gradients came out 0.1% to 14x off, silently (or the step raised where the change had cut
+    the output's hook off). Outputs changed since the call are computed again."""
+    model, x, _ = _problem(layer_name, layout, torch.float64)
+    gen = torch.Generator().manual_seed(2)
+
+    def losses_of(step):
+        output, *states = model(torch.randn(x.shape, generator=gen, dtype=torch.float64))
+        if step > 0:
+            output.mul_(1.5)
+        return output.tanh().sum((1, 2)) + sum(state.square().sum((0, 2)) for state in states)
+
+    cockpit = _steps_of_norm_test(list(model.parameters()), losses_of, steps=3)
+    assert set(cockpit.routes().values()) == {f"module-local: {LAYERS[layer_name][0].__name__} rule"}

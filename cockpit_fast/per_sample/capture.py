@@ -39,10 +39,11 @@ class Call:
         direct (set[str]): Which of them are the module's own (a rule serves only those).
         args, kwargs: The call's inputs.
         outputs (list[torch.Tensor]): Its tensor outputs that require grad.
-        made_from (int): The number autograd gave the first node the call made (:func:`_own_nodes`).
+        made (tuple[int, int]): The numbers autograd's nodes got in the call's thread while it ran
+            (:func:`_own_nodes`).
     """
 
-    def __init__(self, module, params, direct, args, kwargs, outputs, made_from, time_first=False, inferred=False, unknown=False, guessed=False):
+    def __init__(self, module, params, direct, args, kwargs, outputs, made, time_first=False, inferred=False, unknown=False, guessed=False):
         self.module, self.params, self.direct = module, params, direct
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
@@ -51,6 +52,12 @@ class Call:
         self.rule = rules.rule_for(module)
         # Kept only for a rule that reads them (a recurrent layer's states): attention weights, say, can be large.
         self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "reads_outputs", False) else None
+        # Versions (counters shared with the caller's tensors) of what the forms read later: the
+        # inputs, the kept outputs; and the outputs viewing another tensor whose hooks sit on them.
+        self._inputs_read = [(t, t._version) for t in (*self.args, *self.kwargs.values()) if _versioned(t)]
+        self._kept_versions = [o._version for o in self.outputs] if self.outputs is not None else None
+        self.hooked_views = []  # (the output, detached, its version): the caller may drop its own
+        self.changed = None  # why what the forms read was changed in place since (changed_in_place())
         # Modules given sequences time-first (batch_first=False), and the modules they call,
         # keep their samples along dimension 1.
         self.sample_dim = 1 if time_first else 0
@@ -71,7 +78,7 @@ class Call:
         # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one
         # can). A rule knows how its module's outputs come about (a packed LSTM's own nodes, a
         # thousand, cost more to walk than its forward pass, and the objects made collections).
-        self.outputs_entangled = None if self.rule is not None else _outputs_entangled(module, outputs, made_from)
+        self.outputs_entangled = None if self.rule is not None else _outputs_entangled(module, outputs, made)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -86,6 +93,21 @@ class Call:
         """A tracked backward pass went through the call: the next step's forward pass is
         another (a later pass through a graph the user keeps still fires its hooks)."""
         self.spent = True
+
+    def changed_in_place(self):
+        """Before the backward pass: why the call's forms cannot be taken from what it kept
+        (:attr:`changed`, None where they can). An input changed in place since the call ran
+        would be read changed (a replay's, a rule's; autograd refuses only where it saved the
+        input itself); so would its outputs, which a recurrent layer's rule then computes
+        again; and an output viewing another tensor, hooked on itself, no longer reaches its
+        hook once changed."""
+        if self.outputs is not None and [o._version for o in self.outputs] != self._kept_versions:
+            self.outputs = None
+        if any(t._version != version for t, version in self._inputs_read):
+            self.changed = "an input of its call was changed in place after the call (its forms would read the changed values)"
+        elif any(view._version != version for view, version in self.hooked_views):
+            self.changed = "an output of its call, a view of another tensor, was changed in place after the call (no hook follows it)"
+        return self.changed
 
     def share(self, n):
         """Take the call as made once for each of ``n`` samples, its output broadcast to them
@@ -246,34 +268,44 @@ def _computed_in(args, outputs, autocast):
     return least_precise(dtypes)
 
 
-def _own_nodes(starts, made_from):
-    """The autograd nodes a call made, from those in ``starts`` (its outputs') down: autograd
-    numbers the nodes a thread makes in order, and the call's thread had numbered up to
-    ``made_from`` when it began (its inputs' numbers cannot tell: another thread may have made
-    them, numbered on its own, and the call may change one in place)."""
+def _own_nodes(starts, made):
+    """The autograd nodes a call made, from those in ``starts`` (its outputs') down, and the
+    leaves they reach: autograd numbers the nodes a thread makes in order, and ``made`` is the
+    range of numbers the call's thread gave while it ran (its inputs' numbers cannot tell:
+    another thread, numbering on its own, may have made them, and the call may change one in
+    place)."""
+    first, last = made
     seen, stack = set(), list(starts)
     while stack:
         node = stack.pop()
-        if node is None or node in seen or node._sequence_nr() < made_from:
+        if node is None or node in seen or not (first <= node._sequence_nr() < last or node._sequence_nr() == _LEAF):
             continue
         seen.add(node)
         stack += [next_node for next_node, _ in node.next_functions]
     return seen
 
 
-def _computed_inside(node, made_from):
+_LEAF = 2**64 - 1
+"""The number autograd gives the nodes of leaves (AccumulateGrad): after every other."""
+
+
+def _versioned(value):
+    """Whether ``value`` is a tensor that counts its changes in place (not an inference tensor)."""
+    return isinstance(value, torch.Tensor) and not value.is_inference()
+
+
+def _computed_inside(node, made):
     """The least precise floating dtype among the values of a call's own autograd nodes, from
-    its output's ``node`` down (:func:`_own_nodes`): a cast inside
-    its forward, as Gemma's norm computes a float64 model's values in float32, rounds its
-    parameters' gradients there; and whether one of them is cuDNN's (a convolution or a
-    recurrent layer, :func:`_float32_on_gpu`)."""
-    nodes = _own_nodes([node], made_from)
+    its output's ``node`` down (:func:`_own_nodes`): a cast inside its forward, as Gemma's norm
+    computes a float64 model's values in float32, rounds its parameters' gradients there; and
+    whether one of them is cuDNN's (a convolution or a recurrent layer, :func:`_float32_on_gpu`)."""
+    nodes = _own_nodes([node], made)
     dtypes = [meta.dtype for node in nodes for meta in node._input_metadata if meta.dtype.is_floating_point]
     cudnn = any(type(node).__name__.startswith(("Convolution", "CudnnRnn", "CudnnConvolution")) for node in nodes)
     return least_precise(dtypes), cudnn
 
 
-def _outputs_entangled(module, outputs, made_from):
+def _outputs_entangled(module, outputs, made):
     """Why the hooks on a call's several outputs cannot give its parameters' gradients sample by
     sample, or None. An output that is one of its parameters is used by its caller, outside the
     call. An output computed from another that the parameters reach (a view or function of it,
@@ -287,9 +319,9 @@ def _outputs_entangled(module, outputs, made_from):
     if len(outputs) == 1:
         return None
     edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
-    made = _own_nodes([o.grad_fn for o in outputs], made_from)
-    sources = {edge for node in made for edge in node.next_functions if edge in edges}
-    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made_from)):
+    nodes = _own_nodes([o.grad_fn for o in outputs], made)
+    sources = {edge for node in nodes for edge in node.next_functions if edge in edges}
+    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made)):
         return "returns an output computed from another it returns (a view or function of it), whose gradient a rule given both counts twice"
     return None
 
@@ -388,6 +420,7 @@ class Capture:
         if not self._frames:
             return
         _, claimed_inside, time_first, made_from = self._frames.pop()
+        made = (made_from, torch._C._autograd._get_sequence_nr())
         if _replaying[0] or not torch.is_grad_enabled():
             return None
         # Whether a parameter is trained may change between steps (gradual unfreezing).
@@ -444,11 +477,11 @@ class Capture:
             found = self.layouts.get(module)
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
-        call = Call(module, params, direct, args, kwargs, outputs, made_from, time_first, inferred, layout_unknown, layout_guessed)
+        call = Call(module, params, direct, args, kwargs, outputs, made, time_first, inferred, layout_unknown, layout_guessed)
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)
-            inside[device.type] = _computed_inside(outputs[0].grad_fn, made_from)
+            inside[device.type] = _computed_inside(outputs[0].grad_fn, made)
         cast, cudnn = inside[device.type]
         computed_in = least_precise([call.computed_in, cast])
         call.computed_in = least_precise([computed_in, _float32_on_gpu(computed_in, device, cudnn)])
@@ -463,12 +496,13 @@ class Capture:
         wanted = lambda: _call(me, "_wants", call)  # noqa: E731
         # None on a leaf (a parameter handed out): the hook would stay on it.
         if len(outputs) == 1 and outputs[0].grad_fn is not None:
-            _hook_output_grad(outputs[0], (), made_from, lambda grad: _call(me, "_fire", call, [grad]), wanted)
+            _hook_output_grad(call, outputs[0], (), made, lambda grad: _call(me, "_fire", call, [grad]), wanted)
         elif len(outputs) > 1:  # (not torch's multi-grad hook: it and the outputs' nodes hold each other, a reference cycle)
             for index, out in enumerate(outputs):
                 if out.grad_fn is not None:
                     others = outputs[:index] + outputs[index + 1 :]
-                    _hook_output_grad(out, others, made_from, lambda grad, index=index: _call(me, "_fire_output", call, index, grad), wanted)
+                    fire = lambda grad, index=index: _call(me, "_fire_output", call, index, grad)  # noqa: E731
+                    _hook_output_grad(call, out, others, made, fire, wanted)
         return replaced
 
     @property
@@ -706,7 +740,7 @@ def _samples_in(args, sample_dim):
     return first.shape[sample_dim] if first is not None and first.dim() > sample_dim else 1
 
 
-def _hook_output_grad(output, others, made_from, fire, wanted):
+def _hook_output_grad(call, output, others, made, fire, wanted):
     """``fire(gradient)`` with the gradient of a call's ``output``. An output that views a whole
     tensor the call computed (a Linear's on sequences: its matrix product, reshaped; attention's
     output, transposed to batch first) is hooked where that tensor's gradient arrives: a hook on
@@ -714,7 +748,8 @@ def _hook_output_grad(output, others, made_from, fire, wanted):
     ``query /= sqrt(d)``, a caller's ``out += residual``), while the tensor's node still
     receives the gradient of the values before the change (mapped to the view where
     ``wanted()``: a transpose copies). Not where the call's ``others`` outputs read that tensor
-    too (its gradient there holds their shares; the call's own nodes: :func:`_own_nodes`)."""
+    too (its gradient there holds their shares; the call's own nodes: :func:`_own_nodes`): a
+    view hooked on itself is watched for changes (:meth:`Call.changed_in_place`)."""
     base = output._base  # (the tensor the chain of views starts from)
     viewed = (
         base is not None
@@ -723,10 +758,12 @@ def _hook_output_grad(output, others, made_from, fire, wanted):
         and base.is_contiguous()
         and _permutes(output)
         and _views_of(output.grad_fn, (base.grad_fn, base.output_nr))
-        and (not others or base.grad_fn not in _own_nodes([o.grad_fn for o in others], made_from))
+        and (not others or base.grad_fn not in _own_nodes([o.grad_fn for o in others], made))
     )
     if not viewed:
         output.register_hook(fire)
+        if base is not None and _versioned(output):  # (rare: most views of a product are whole, above)
+            call.hooked_views.append((output.detach(), output._version))
         return
     shape, stride, offset, index = output.shape, output.stride(), output.storage_offset() - base.storage_offset(), base.output_nr
 

@@ -109,6 +109,8 @@ class Engine:
             batch_size = losses.shape[0] if batch_size is None else batch_size
         tracked = [p for p in self.params if p.requires_grad]
         calls = self.capture.calls()
+        for call in calls:
+            call.changed_in_place()
         unchecked = any(call.module not in self._checked for call in calls)
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
             # Rows taken sample-major where the graph does not tell: on steps that prove it, or as proven.
@@ -316,6 +318,8 @@ class Engine:
                 )
             elif call.outputs_entangled:
                 why = f"its module {type(call.module).__name__} {call.outputs_entangled}"
+            elif call.changed:
+                why = f"its module {type(call.module).__name__}: {call.changed}"
             elif call.layout_unknown:
                 why = (
                     f"its module {type(call.module).__name__} was called with its samples along dimension 0 and "
