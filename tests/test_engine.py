@@ -734,37 +734,87 @@ def test_hooks_that_miss_a_change_in_place_on_the_checks_step_send_the_parameter
 
 
 class _Gate(nn.Module):
-    """Its backward pass reads its result only: autograd lets a caller change its input after."""
+    """``sigmoid(x + shifts[0] + shift + bias)``: its backward pass reads its result only, so
+    autograd lets a caller change any of them in place after the call."""
 
     def __init__(self):
         super().__init__()
         self.bias = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.register_buffer("shift", torch.zeros(3, dtype=torch.float64))
 
-    def forward(self, x):
-        return torch.sigmoid(x + self.bias)
+    def forward(self, x, shifts=(0.0,)):
+        return torch.sigmoid(x + shifts[0] + self.shift + self.bias)
 
 
-def test_an_input_changed_in_place_after_the_call_takes_the_whole_graph():
-    """``h += 1`` after ``gate(h)``, from the step after the checks' on: the replay of the gate
-    read the changed ``h`` (its kept input shares the memory): its bias's per-sample gradients
-    45% off, silently. The change is seen before the backward pass."""
+@pytest.mark.parametrize("changed", ["input", "input in a tuple", "buffer", "parameter"])
+def test_what_a_replay_reads_changed_in_place_after_the_call_takes_the_whole_graph(changed):
+    """``h += 1`` after ``gate(h)`` (or a change to a tensor in a tuple it was given, to its
+    buffer, or to its parameter under no_grad), from the step after the checks' on: the replay of
+    the gate read the changed values (its kept inputs share their memory): its bias's per-sample
+    gradients 43-53% off, silently. The change is seen before the backward pass."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), _Gate()).double()
     gen = torch.Generator().manual_seed(1)
 
     def losses_of(step):
         h = model[0](torch.randn(N, 3, generator=gen, dtype=torch.float64))
-        gated = model[1](h)
-        if step > 0:
-            h += 1.0
+        shift = torch.randn(3, generator=gen, dtype=torch.float64)
+        gated = model[1](h, (shift,))
+        with torch.no_grad():
+            touched = {"input": h, "input in a tuple": shift, "buffer": model[1].shift, "parameter": model[1].bias}[changed]
+            touched += 0.5 * (step > 0)
         return (gated.square() + h).sum(1)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cockpit = _steps_of_norm_test(list(model.parameters()), losses_of, steps=3)
     assert list(cockpit.routes().values()) == ["module-local: Linear rule"] * 2 + ["whole graph"]
-    why = "its module _Gate: an input of its call was changed in place after the call"
+    why = "its module _Gate: an input, parameter or buffer of its call was changed in place after the call"
     assert any(why in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_an_input_of_a_trained_bias_alone_may_change_after_the_call():
+    """A Linear with its weight frozen and its bias trained (bias-only fine-tuning): autograd
+    keeps no copy of its input, which a later ``relu_`` changes; nor does the bias's rule read
+    it. That change sent the bias to the whole graph (and raised without individual losses)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"first": nn.Linear(3, 4), "second": nn.Linear(4, 2)}).double()
+    model["second"].weight.requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+
+    def losses_of(step):
+        h = model["first"](torch.randn(N, 3, generator=gen, dtype=torch.float64))
+        out = model["second"](h)
+        F.relu(h, inplace=True)
+        return out.square().sum(1) + h.sum(1)
+
+    cockpit = _steps_of_norm_test([p for p in model.parameters() if p.requires_grad], losses_of, steps=3)
+    assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
+
+
+def test_calls_of_an_earlier_step_whose_graph_the_user_keeps_are_no_part_of_this_one():
+    """A loop refilling one input buffer, whose user keeps every step's graph (a sum of the
+    losses without detach), tracked every other step: the calls of the untracked steps, still
+    alive, read the buffer refilled since. They sent the gate to the whole graph, and raised
+    without individual losses ("need every sample's own loss"). They are not in this step's
+    graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gate(), nn.Linear(3, 2)).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(lambda step: step % 2 == 0)])
+    gen = torch.Generator().manual_seed(1)
+    batch, kept = torch.empty(N, 3, dtype=torch.float64), 0.0
+    for step in range(5):
+        batch.copy_(torch.randn(N, 3, generator=gen, dtype=torch.float64))
+        model.zero_grad()
+        losses = model(batch).square().sum(1)
+        kept = kept + losses.mean()
+        with cockpit(step, info={"batch_size": N, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        if step % 2 == 0:
+            g = _one_pass_per_sample(losses, params)
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert set(cockpit.routes().values()) == {"module-local: _Gate replayed with torch.func", "module-local: Linear rule"}
 
 
 def test_outputs_hooked_where_the_viewed_product_is_read_from_their_own_memory():

@@ -52,9 +52,15 @@ class Call:
         self.rule = rules.rule_for(module)
         # Kept only for a rule that reads them (a recurrent layer's states): attention weights, say, can be large.
         self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "reads_outputs", False) else None
-        # Versions (counters shared with the caller's tensors) of what the forms read later: the
-        # inputs, the kept outputs; and the outputs viewing another tensor whose hooks sit on them.
-        self._inputs_read = [(t, t._version) for t in (*self.args, *self.kwargs.values()) if _versioned(t)]
+        # Versions (counters shared with the caller's tensors) of what the forms read later and
+        # autograd does not guard: a replay's or a raw rule's inputs, wherever they sit, and a
+        # replay's parameters and buffers (a plain rule reads what autograd saved for the
+        # parameters' gradients, which autograd refuses to see changed); the kept outputs; and
+        # the outputs viewing another tensor whose hooks sit on them.
+        replays = self.needs_replay()
+        read = tree_flatten((self.args, self.kwargs))[0] if replays or self.rule.raw else []
+        read += [*params.values(), *module.buffers()] if replays else []
+        self._inputs_read = [(t, t._version) for t in read if _versioned(t)]
         self._kept_versions = [o._version for o in self.outputs] if self.outputs is not None else None
         self.hooked_views = []  # (the output, detached, its version): the caller may drop its own
         self.changed = None  # why what the forms read was changed in place since (changed_in_place())
@@ -97,14 +103,17 @@ class Call:
     def changed_in_place(self):
         """Before the backward pass: why the call's forms cannot be taken from what it kept
         (:attr:`changed`, None where they can). An input changed in place since the call ran
-        would be read changed (a replay's, a rule's; autograd refuses only where it saved the
-        input itself); so would its outputs, which a recurrent layer's rule then computes
-        again; and an output viewing another tensor, hooked on itself, no longer reaches its
-        hook once changed."""
+        would be read changed (by a replay, a recurrent layer's or attention's rule: autograd
+        refuses only where it saved the input itself); so would its outputs, which a recurrent
+        layer's rule then computes again; and an output viewing another tensor, hooked on
+        itself, no longer reaches its hook once changed."""
         if self.outputs is not None and [o._version for o in self.outputs] != self._kept_versions:
             self.outputs = None
         if any(t._version != version for t, version in self._inputs_read):
-            self.changed = "an input of its call was changed in place after the call (its forms would read the changed values)"
+            self.changed = (
+                "an input, parameter or buffer of its call was changed in place after the call (its forms would read the "
+                "changed values)"
+            )
         elif any(view._version != version for view, version in self.hooked_views):
             self.changed = "an output of its call, a view of another tensor, was changed in place after the call (no hook follows it)"
         return self.changed
@@ -599,6 +608,20 @@ class Capture:
         """The calls whose graph is alive and that no tracked backward pass went through: the
         forward pass the next backward pass goes through."""
         return [call for call in self.recent if not call.spent]
+
+
+def in_graph(root, calls):
+    """Those of ``calls`` whose output is in the graph of ``root`` (a backward node)."""
+    wanted, found = {id(call) for call in calls}, set()
+    seen, stack = {root}, [root]
+    while stack and len(found) < len(wanted):
+        node = stack.pop()
+        found.update(id(ref()) for ref in node.metadata.get(shared.CALL_TAG, ()) if id(ref()) in wanted)
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
+    return [call for call in calls if id(call) in found]
 
 
 def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):

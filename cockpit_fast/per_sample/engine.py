@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from cockpit_fast.per_sample import routed, shared
-from cockpit_fast.per_sample.capture import Capture, least_precise, mixed_calls, outside_autocast
+from cockpit_fast.per_sample.capture import Capture, in_graph, least_precise, mixed_calls, outside_autocast
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
@@ -108,18 +108,24 @@ class Engine:
         if losses is not None:
             batch_size = losses.shape[0] if batch_size is None else batch_size
         tracked = [p for p in self.params if p.requires_grad]
+        start = losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
+        root = None if start is None else start.grad_fn
         calls = self.capture.calls()
-        for call in calls:
-            call.changed_in_place()
+        changed = [call for call in calls if call.changed_in_place()]
+        if changed and root is not None:
+            # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
+            # detach) are no part of this one: their inputs may since hold another batch. (Not
+            # told for a call whose changed view is gone from the graph: it stays, changed.)
+            unsure = [call for call in changed if not call.hooked_views]
+            gone = set(unsure) - set(in_graph(root, unsure))
+            calls = [call for call in calls if call not in gone]
         unchecked = any(call.module not in self._checked for call in calls)
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
             # Rows taken sample-major where the graph does not tell: on steps that prove it, or as proven.
             proven = lambda call: losses is not None and (unchecked or call.module in self._guessed)  # noqa: E731
             routed.regroup(calls, batch_size, guess=proven)
-        start = losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
         if unchecked and start is not None:
             refuse_reentrant_checkpoints(start)
-        root = None if start is None else start.grad_fn
         step = _Pass()
         step.calls = calls
         try:
