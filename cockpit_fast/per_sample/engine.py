@@ -114,9 +114,10 @@ class Engine:
         changed = [call for call in calls if call.changed_in_place()]
         if changed and root is not None:
             # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
-            # detach) are no part of this one: their inputs may since hold another batch. (Not
-            # told for a call whose changed view is gone from the graph: it stays, changed.)
-            unsure = [call for call in changed if not call.hooked_views]
+            # detach) are no part of this one: their inputs may since hold another batch. (Told
+            # by their first output, tagged: not for a call of several, whose first the losses
+            # may not use, nor for one whose changed view is gone from the graph.)
+            unsure = [call for call in changed if not call.hooked_views and len(call.output_shapes) == 1]
             gone = set(unsure) - set(in_graph(root, unsure))
             calls = [call for call in calls if call not in gone]
         unchecked = any(call.module not in self._checked for call in calls)
