@@ -610,13 +610,19 @@ class Capture:
         return [call for call in self.recent if not call.spent]
 
 
+HOOKED_TAG = "cockpit_fast_hooked"
+"""Key of a backward node's metadata: weak references to the calls whose output gradient a hook
+on it takes (an output's node, or where a view's product's gradient arrives)."""
+
+
 def in_graph(root, calls):
-    """Those of ``calls`` whose output is in the graph of ``root`` (a backward node)."""
+    """Those of ``calls`` some of whose hooked nodes are in the graph of ``root`` (a backward
+    node): a backward pass from there reaches their hooks."""
     wanted, found = {id(call) for call in calls}, set()
     seen, stack = {root}, [root]
     while stack and len(found) < len(wanted):
         node = stack.pop()
-        found.update(id(ref()) for ref in node.metadata.get(shared.CALL_TAG, ()) if id(ref()) in wanted)
+        found.update(id(ref()) for ref in node.metadata.get(HOOKED_TAG, ()) if id(ref()) in wanted)
         for next_node, _ in node.next_functions:
             if next_node is not None and next_node not in seen:
                 seen.add(next_node)
@@ -785,6 +791,7 @@ def _hook_output_grad(call, output, others, made, fire, wanted):
     )
     if not viewed:
         output.register_hook(fire)
+        output.grad_fn.metadata.setdefault(HOOKED_TAG, []).append(weakref.ref(call))
         if base is not None and _versioned(output):  # (rare: most views of a product are whole, above)
             call.hooked_views.append((output.detach(), output._version))
         return
@@ -796,6 +803,7 @@ def _hook_output_grad(call, output, others, made, fire, wanted):
             fire(grad.as_strided(shape, stride, grad.storage_offset() + offset).contiguous())
 
     base.grad_fn.register_prehook(hook)
+    base.grad_fn.metadata.setdefault(HOOKED_TAG, []).append(weakref.ref(call))
 
 
 def _permutes(view):

@@ -112,13 +112,13 @@ class Engine:
         root = None if start is None else start.grad_fn
         calls = self.capture.calls()
         changed = [call for call in calls if call.changed_in_place()]
-        if changed and root is not None:
+        if changed and losses is not None:
             # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
-            # detach) are no part of this one: their inputs may since hold another batch. (Told
-            # by their first output, tagged: not for a call of several, whose first the losses
-            # may not use, nor for one whose changed view is gone from the graph.)
-            unsure = [call for call in changed if not call.hooked_views and len(call.output_shapes) == 1]
-            gone = set(unsure) - set(in_graph(root, unsure))
+            # detach) are no part of this one: their inputs may since hold another batch. (Not
+            # told for a call whose changed view is gone from the graph. Without the losses, a
+            # changed call that the backward pass reaches is refused after it: end().)
+            unsure = [call for call in changed if not call.hooked_views]
+            gone = set(unsure) - set(in_graph(losses.grad_fn, unsure))
             calls = [call for call in calls if call not in gone]
         unchecked = any(call.module not in self._checked for call in calls)
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
@@ -177,6 +177,15 @@ class Engine:
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
             return {}
+        spoiled = {call: [p for p in call.params.values() if id(p) not in step.forms] for call, _ in fired if call.changed}
+        spoiled = {call: params for call, params in spoiled.items() if params}
+        if spoiled:
+            call, params = next(iter(spoiled.items()))
+            raise ValueError(
+                f"the per-sample gradients of {self._describe([id(p) for p in params])} cannot be formed: their module "
+                f"{type(call.module).__name__}: {call.changed}. Hand in info['individual_losses'] with their graph (they "
+                "then take the whole graph), or change no such tensor in place before the backward pass"
+            )
         if grads is not None:
             # A call's parameters that its backward pass did not reach (a submodule it never ran,
             # such as a decoder's cross-attention without an encoder) have no per-sample gradients.
@@ -325,7 +334,7 @@ class Engine:
                 )
             elif call.outputs_entangled:
                 why = f"its module {type(call.module).__name__} {call.outputs_entangled}"
-            elif call.changed:
+            elif call.changed and has_losses:
                 why = f"its module {type(call.module).__name__}: {call.changed}"
             elif call.layout_unknown:
                 why = (
