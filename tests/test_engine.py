@@ -837,6 +837,15 @@ def test_without_individual_losses_a_changed_input_is_refused_after_the_backward
                 loss.backward()
 
 
+class _GateView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return (torch.tanh(x) * self.g).view(x.shape[0], 15)
+
+
 class _GatedTwice(nn.Module):
     def __init__(self):
         super().__init__()
@@ -850,15 +859,6 @@ class _GatedTwice(nn.Module):
             h += inputs.flatten(1)  # (the tagged view's node leaves the graph)
             x.mul_(0.5)  # (what the gate's replay reads)
         return self.head(h) + self.head(self.gate(self.lin(2 * inputs)))
-
-
-class _GateView(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.g = nn.Parameter(torch.randn(3, 5))
-
-    def forward(self, x):
-        return (torch.tanh(x) * self.g).view(x.shape[0], 15)
 
 
 def test_a_changed_call_whose_view_output_was_changed_too_is_still_in_the_graph():

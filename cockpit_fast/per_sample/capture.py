@@ -287,7 +287,10 @@ def _own_nodes(starts, made):
     seen, stack = set(), list(starts)
     while stack:
         node = stack.pop()
-        if node is None or node in seen or not (first <= node._sequence_nr() < last or node._sequence_nr() == _LEAF):
+        if node is None or node in seen:
+            continue
+        number = node._sequence_nr()
+        if not (first <= number < last or number == _LEAF):
             continue
         seen.add(node)
         stack += [next_node for next_node, _ in node.next_functions]
@@ -498,7 +501,7 @@ class Capture:
             # FSDP2 frees the unsharded values after the pass: a replay keeps its own (norms' weights, mostly).
             call.values = {name: module.get_parameter(name).detach().clone() for name in params}
         if outputs[0].grad_fn is not None:  # found there if the call turns out shared by every sample
-            outputs[0].grad_fn.metadata.setdefault(shared.CALL_TAG, []).append(weakref.ref(call))
+            _tag(outputs[0].grad_fn, shared.CALL_TAG, call)
         call.parametrization_buffers = parametrized.buffers_in_use(module)  # as this call used them
         self.recent.add(call)
         me = weakref.ref(self)
@@ -613,6 +616,11 @@ class Capture:
 HOOKED_TAG = "cockpit_fast_hooked"
 """Key of a backward node's metadata: weak references to the calls whose output gradient a hook
 on it takes (an output's node, or where a view's product's gradient arrives)."""
+
+
+def _tag(node, key, call):
+    """Files a weak reference to ``call`` under ``key`` in autograd ``node``'s metadata."""
+    node.metadata.setdefault(key, []).append(weakref.ref(call))
 
 
 def in_graph(root, calls):
@@ -791,7 +799,7 @@ def _hook_output_grad(call, output, others, made, fire, wanted):
     )
     if not viewed:
         output.register_hook(fire)
-        output.grad_fn.metadata.setdefault(HOOKED_TAG, []).append(weakref.ref(call))
+        _tag(output.grad_fn, HOOKED_TAG, call)
         if base is not None and _versioned(output):  # (rare: most views of a product are whole, above)
             call.hooked_views.append((output.detach(), output._version))
         return
@@ -803,7 +811,7 @@ def _hook_output_grad(call, output, others, made, fire, wanted):
             fire(grad.as_strided(shape, stride, grad.storage_offset() + offset).contiguous())
 
     base.grad_fn.register_prehook(hook)
-    base.grad_fn.metadata.setdefault(HOOKED_TAG, []).append(weakref.ref(call))
+    _tag(base.grad_fn, HOOKED_TAG, call)
 
 
 def _permutes(view):

@@ -118,7 +118,7 @@ class Engine:
             # told for a call whose changed view is gone from the graph. Without the losses, a
             # changed call that the backward pass reaches is refused after it: end().)
             unsure = [call for call in changed if not call.hooked_views]
-            gone = set(unsure) - set(in_graph(losses.grad_fn, unsure))
+            gone = set(unsure) - set(in_graph(root, unsure))
             calls = [call for call in calls if call not in gone]
         unchecked = any(call.module not in self._checked for call in calls)
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
