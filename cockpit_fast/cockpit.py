@@ -3,6 +3,7 @@
 import contextlib
 import os
 import warnings
+import weakref
 from collections import Counter, defaultdict
 from typing import NamedTuple, Optional
 
@@ -591,6 +592,7 @@ class _TrackedBackward:
         self._unplanned = None  # why the pass begun at entry could not be planned (no losses)
         self._extended = []  # every parameter BackPACK's extensions visited, tracked or not
         self._open = False
+        self._stream_error = None  # what computing statistics in the backward pass raised
         kept = {e.savefield for e in user_exts} | {f for q in cockpit.quantities for f in q.protected_savefields(step)}
         hooks = merged_hooks([h for q in cockpit.quantities for h in q.extension_hooks(step)])
         transforms = {"grad_batch_transforms"} if hooks else set()  # where Cockpit's hooks write
@@ -624,14 +626,33 @@ class _TrackedBackward:
             weight = self._begin(plan.given("individual_losses"), plan.given("loss"), micro=False)
             self._given = _MicroBatch(plan.given("individual_losses"), plan.given("loss"), weight)
         if plan.group is not None or plan.requests or cockpit.capture_grads or self._reads_micro:  # the step's own gradients
+            # A step of one backward pass on one process: each parameter's statistics as its
+            # gradient arrives, its calls' output gradients let go then (not held to the end).
+            streams = self._pass is not None and self._pass.streams and plan.group is None
+            me = weakref.ref(self)  # (not a cycle with the capture: the step's calls would wait for the collector)
             self._grads = GradientCapture(
                 cockpit.params, self._keep_graph, copy=plan.group is not None or cockpit.capture_grads,
-                unsharded=cockpit._unsharded,
+                unsharded=cockpit._unsharded, on_grad=(lambda index, grad: me()._stream(index, grad)) if streams else None,
             )
         for context in self._contexts:
             context.__enter__()
         self._open = True
         return self
+
+    def _stream(self, index, grad):
+        """In the backward pass begun at entry, parameter ``index``'s gradient ``grad`` is final:
+        its statistics now, where the engine gives its form (the step's only pass, unless
+        :meth:`micro_batch` follows: then refused)."""
+        if self._stream_error is not None or self._pass is None:
+            return
+        unscale = self._plan.unscale
+        try:
+            form = self._cockpit._engine.take(self._pass, self._plan.params[index], unscale)
+            if form is not None:
+                with outside_autocast(self._cockpit.params):
+                    self._statistics.stream(index, form, grad * unscale if unscale != 1.0 else grad)
+        except Exception as error:  # raised when the pass ends, where end() would have raised it
+            self._stream_error = error
 
     @property
     def unscale(self):
@@ -686,6 +707,8 @@ class _TrackedBackward:
         self._unplanned = None
         self._refuse_uncombined()
         self._micro = True
+        if self._grads is not None:  # micro-batches' statistics wait for the step's gradient
+            self._grads.on_grad = None
         weight = self._begin(individual_losses, loss, micro=True) if plan.requests else None
         size = individual_losses.numel() if individual_losses is not None else batch_size
         self._given = _MicroBatch(individual_losses, loss, weight, size)
@@ -753,6 +776,13 @@ class _TrackedBackward:
             raise ValueError(
                 f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
                 f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`"
+            )
+        if self._stream_error is not None:
+            raise self._stream_error
+        if self._pass is not None and self._pass.taken and not last:
+            raise ValueError(
+                f"micro_batch() came after its micro-batch's backward pass (one before any micro_batch() is taken as the "
+                f"step's only one): {_MICRO_BATCH_ORDER}, the first micro-batch's too"
             )
         if plan.unscale != 1.0:
             grads = {index: g * plan.unscale for index, g in grads.items()}

@@ -37,7 +37,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from cockpit_fast.per_sample.capture import OBSERVES_THE_STEP
+from cockpit_fast.per_sample.capture import OBSERVES_THE_STEP, in_own_pass
 
 _NOT_THE_SAME = (
     "the processes track different quantities or parameters at this step, or different steps: "
@@ -74,10 +74,13 @@ class GradientCapture:
             the tensor autograd hands on. Defaults to ``True``.
         unsharded (cockpit_fast.fsdp.Unsharded, optional): Where FSDP2 shards the parameters,
             the tensors the graph holds for them: their gradients, full-size, are the rank's.
+        on_grad (callable, optional): Told ``(index, gradient)`` as each parameter's gradient
+            arrives, the first time since :meth:`take`.
     """
 
-    def __init__(self, params, keep_graph, copy=True, unsharded=None):
+    def __init__(self, params, keep_graph, copy=True, unsharded=None, on_grad=None):
         self.grads = {}
+        self.on_grad = on_grad  # on_grad(index, gradient), at each parameter's first gradient since take()
         self._tasks = set()  # the backward passes (autograd graph tasks) that reached a parameter
         self._params, self._unsharded = params, unsharded
         self._keepers = [self._keeper(i, keep_graph, copy, p.dtype) for i, p in enumerate(params)]
@@ -119,11 +122,16 @@ class GradientCapture:
 
     def _keeper(self, index, keep_graph, copy, dtype):
         def keep(grad):
+            if in_own_pass():  # (another cockpit's engine's: its whole graph, say)
+                return
             self._tasks.add(torch._C._current_graph_task_id())
             if grad.dtype != dtype:  # FSDP2's bf16 compute: in the parameter's dtype, as FSDP2 reduces it
                 grad = grad.to(dtype)
             kept = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
-            self.grads[index] = kept if index not in self.grads else self.grads[index] + kept
+            first = index not in self.grads
+            self.grads[index] = kept if first else self.grads[index] + kept
+            if first and self.on_grad is not None:
+                self.on_grad(index, kept.detach())
 
         setattr(keep, OBSERVES_THE_STEP, True)  # not a hook each sample's gradient passes
         return keep

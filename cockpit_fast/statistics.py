@@ -549,6 +549,7 @@ class StepStatistics:
         self.dropped = False  # the kept forms outgrew keep_limit: what waited is skipped
         self.samples = 0  # samples of the micro-batches so far
         self.micro_batches = 0
+        self._streamed = {}  # index -> samples, of the parameters stream() gave the pass under way
 
     @property
     def skipped(self):
@@ -568,9 +569,10 @@ class StepStatistics:
         (:meth:`_merged`); one it reached without a form has no statistics (:meth:`StepContext.per_param` says so)."""
         batch = self.micro_batches
         self.micro_batches += 1
+        streamed, self._streamed = self._streamed, {}
         found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
-        self._sizes.append(max((form.batch_size for _, _, form in found), default=0))
-        here = {index for index, _, _ in found} if graded is None else set(graded)
+        self._sizes.append(max([form.batch_size for _, _, form in found] + list(streamed.values()), default=0))
+        here = {index for index, _, _ in found} | set(streamed) if graded is None else set(graded)
         self._graded.append(here)
         self.reached.update(here)
         if self._sizes[-1]:
@@ -586,6 +588,16 @@ class StepStatistics:
             self.kept_bytes += sum(held_bytes(form) for _, _, form in found)
             if self.micro_batches > 1 and self.keep_limit is not None and self.kept_bytes > self.keep_limit:
                 self._drop()
+
+    def stream(self, index, form, grad):
+        """Parameter ``index``'s statistics from its ``form``, while the backward pass of the step's
+        only micro-batch runs, its gradient ``grad`` final there: its forms need not be kept until
+        the pass ends (:meth:`add` then takes the rest)."""
+        batch_size = self.batch_size or form.batch_size
+        values = compute_statistics(index, self.params[index], form, self.requests, grad, self.route, batch_size)
+        for statistic, value in values.items():
+            self._parts[statistic][index][self.micro_batches] = value
+        self._streamed[index] = form.batch_size
 
     def _drop(self):
         self._kept.clear()

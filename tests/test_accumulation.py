@@ -363,7 +363,7 @@ def test_the_mistakes_of_a_hurried_user_are_one_clear_error_each():
         if checked:
             model.zero_grad()
             _micro_step(cockpit, model, parts, {"batch_size": 8})
-        with pytest.raises(ValueError, match=late if not checked else r"after micro_batch\(\): call tracked.micro_batch"):
+        with pytest.raises(ValueError, match=late):  # (checked: the first backward pass's statistics were taken)
             model.zero_grad()
             with cockpit(1, info={"batch_size": 8}) as micro:
                 for x, y in parts:

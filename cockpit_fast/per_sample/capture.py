@@ -28,6 +28,24 @@ from cockpit_fast.per_sample.grads import HookedGrads, combine
 
 
 _replaying = [0]  # > 0 while a call is replayed: its inner calls are not new calls
+_OWN_PASSES = []  # the captures whose engine runs a backward pass of its own, innermost last
+
+
+def in_own_pass():
+    """Whether the backward pass under way is one an engine runs itself (:func:`own_pass`): no
+    step's gradient."""
+    return bool(_OWN_PASSES)
+
+
+@contextlib.contextmanager
+def own_pass(capture):
+    """A backward pass ``capture``'s engine runs (checks, proof, whole graph): no other capture,
+    armed for its user's pass (a second cockpit's), keeps what the pass reaches."""
+    _OWN_PASSES.append(capture)
+    try:
+        yield
+    finally:
+        _OWN_PASSES.pop()
 
 
 class Call:
@@ -383,6 +401,8 @@ class Capture:
         self._casts_inside = weakref.WeakKeyDictionary()  # module -> {device type: (least precise dtype of its own nodes, cuDNN's?)}
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
+        self._formed = {}  # call -> the forms of its parameters not taken yet in the armed pass (take())
+        self._handed_out = set()  # ids of the parameters whose forms take() gave in the armed pass
         self._root = None  # the outermost module with tracked parameters last called, for names
         self._keep = None
         self.hooked = set()  # ids of parameters with the user's hooks, when armed
@@ -571,13 +591,14 @@ class Capture:
 
     @property
     def armed(self):
-        """Whether the backward pass under way keeps the calls' gradients (:meth:`arm`)."""
-        return self._fired is not None
+        """Whether the backward pass under way keeps the calls' gradients (:meth:`arm`): not
+        where another capture's engine runs it (:func:`own_pass`)."""
+        return self._fired is not None and (not _OWN_PASSES or _OWN_PASSES[-1] is self)
 
     def arm(self, keep=None):
         """Keep the calls whose outputs get gradients in the next backward pass, and those
         gradients (or what ``keep(call, gradient, output index)`` makes of each)."""
-        self._fired, self._keep, self._reached = [], keep, {}
+        self._fired, self._keep, self._reached, self._formed, self._handed_out = [], keep, {}, {}, set()
         # The user's hooks on parameters, applied to each sample's gradient.
         self.hooked = {id(p) for p in self._tracked.values() if users_hooks(p)}
 
@@ -586,6 +607,8 @@ class Capture:
         (none without ``forms``), but for the parameters whose ids are in ``skip``, and the
         ``(call, output gradients)`` it reached."""
         fired, self._fired, self._reached = self._fired or [], None, {}
+        skip = {*skip, *self._handed_out}
+        formed, self._formed, self._handed_out = self._formed, {}, set()
         if self._keep is not None or not forms:  # fingerprints, or a pass that failed: no forms
             self._keep = None
             return {}, fired
@@ -593,19 +616,44 @@ class Capture:
         for call, grads in fired:
             if all(id(p) in skip for p in call.params.values()):
                 continue
-            for name, form in call.forms(grads).items():
+            for name, form in (formed.get(call) or call.forms(grads)).items():
                 parts[id(call.params[name])].append(form)
                 computed_in[id(call.params[name])].append(call.computed_in)
-        forms = {}
-        for key, found in parts.items():
-            if key in skip:
-                continue
-            form = combine(found)
-            form.computed_in = least_precise(computed_in[key])
-            if key in self.hooked:
-                form = HookedGrads(form, users_hooks(self._tracked[key]))
-            forms[key] = form
+        forms = {key: self._form(key, found, computed_in[key]) for key, found in parts.items() if key not in skip}
         return forms, fired
+
+    def _form(self, key, parts, computed_in):
+        """Parameter ``key``'s form from its calls' ``parts``, computed in those dtypes."""
+        form = combine(parts)
+        form.computed_in = least_precise(computed_in)
+        return HookedGrads(form, users_hooks(self._tracked[key])) if key in self.hooked else form
+
+    def take(self, key):
+        """While armed, once tracked parameter ``key``'s gradient in the backward pass under way
+        is final (every call using it fired before): its form as :meth:`disarm` would give it,
+        which disarm then leaves out; the output gradients of a call whose parameters are all
+        taken are let go. None where its forms wait for disarm: no call fired holds it, or one
+        replays its module, chains through a parametrization or reads the user's hooks (those
+        run after the backward pass, outside it)."""
+        holding = [(call, grads) for call, grads in self._fired or () if any(id(p) == key for p in call.params.values())]
+        if not holding or key in self._handed_out or key in self.hooked or self._keep is not None:
+            return None
+        if any(call.rule is None or any(id(p) == key and name not in call.direct for name, p in call.params.items()) for call, _ in holding):
+            return None
+        parts = []
+        for call, grads in holding:
+            formed = self._formed.get(call)
+            if formed is None:
+                formed = self._formed[call] = call.forms(grads)
+            if call._replays:
+                return None
+            parts += [form for name, form in formed.items() if id(call.params[name]) == key]
+        self._handed_out.add(key)
+        for call, grads in holding:
+            if all(id(p) in self._handed_out for p in call.params.values()):
+                grads[:] = [None] * len(grads)  # (the list the pass keeps: the gradients go, the call stays)
+                self._formed.pop(call, None)
+        return self._form(key, parts, [call.computed_in for call, _ in holding])
 
     def calls(self):
         """The calls whose graph is alive and that no tracked backward pass went through: the
@@ -640,7 +688,8 @@ def in_graph(root, calls):
 
 def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     """The calls whose samples are not told apart, from backward passes of ``losses`` weighted
-    by ``grad_outputs`` (``reference``: the ``(call, output gradients)`` of one already made)
+    by ``grad_outputs`` (``reference``: the ``(call, fingerprints)`` of one already made, each
+    output's :func:`fingerprint`)
     and by random positive weights per sample on top: the second must give each call's output
     gradients weighted sample by sample, unless a sample's loss reaches another sample's
     outputs (samples that interact, samples not along the dimension taken for them, a call
@@ -656,15 +705,14 @@ def mixed_calls(capture, losses, inputs, grad_outputs, reference=None):
     draw in the backward pass) cannot be proven."""
 
     def fingerprints(weights):
-        capture.arm(_fingerprint)
-        torch.autograd.grad(losses, inputs, weights, retain_graph=True, allow_unused=True)
+        capture.arm(fingerprint)
+        with own_pass(capture):
+            torch.autograd.grad(losses, inputs, weights, retain_graph=True, allow_unused=True)
         return capture.disarm()[1]
 
     n = losses.shape[0]
     if reference is None:
         reference = fingerprints(grad_outputs)
-    else:
-        reference = [(call, [_fingerprint(call, g, i) for i, g in enumerate(grads)]) for call, grads in reference]
     # Powers of two: scaling by one commutes exactly with rounding, so a call whose samples are
     # apart gets its gradients scaled exactly, whatever precision the backward pass runs in (but
     # float16's subnormals): a bf16 call is held to float32's eps (its own, 2^-8, hid samples that
@@ -736,7 +784,7 @@ def _deviations(reference, repeated):
     return deviations
 
 
-def _fingerprint(call, grad, index):
+def fingerprint(call, grad, index):
     """(3, N) sums of each sample's gradient of the call's ``index``-th output, in at least
     float32: plain, against a fixed pattern, absolute; and the machine epsilon the proof holds
     them to. None for an output without samples."""

@@ -21,6 +21,11 @@ and again whenever a call of a module not checked before appears:
 Where every sample's own loss is at hand, a parameter that fails a check takes the whole graph
 (the engine warns once, naming it and why; :meth:`Engine.routes` reports every parameter's
 route); without them a failed check is an error that names the parameter and the cause.
+
+The forms are those of the caller's own backward pass, on the checks' step too: the checks'
+pass keeps sums, not forms (:class:`_SumsOnTheWay`). Where no check follows that pass, a
+parameter's form may be taken as soon as its gradient is final in it (:meth:`Engine.take`), so
+that its calls' output gradients are not held to the pass's end.
 """
 
 import contextlib
@@ -31,7 +36,7 @@ import weakref
 import torch
 
 from cockpit_fast.per_sample import routed, shared
-from cockpit_fast.per_sample.capture import Capture, in_graph, least_precise, mixed_calls, outside_autocast
+from cockpit_fast.per_sample.capture import Capture, fingerprint, in_graph, least_precise, mixed_calls, outside_autocast, own_pass
 from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
@@ -138,16 +143,36 @@ class Engine:
             # (Every rank hands in its losses, or none does: then none runs a pass of its own.)
             with own_passes if losses is not None else contextlib.nullcontext():
                 if checks:
-                    step.forms = self._checked_forms(losses, tracked, scale, calls, batch_size, step.handles)
-                    step.check = True  # the backward pass's gradient, against the forms
-                    return step
+                    whole, step.sums = self._checks(losses, tracked, scale, calls, batch_size, step.handles)
                 step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
+                if checks:
+                    step.sums.update({key: form.grad for key, form in step.forms.items() if not isinstance(form, HookedGrads)})
         except BaseException:
             step.release()
             raise
         self.capture.arm()
-        step.armed, step.check = True, unchecked
+        step.check = unchecked and not checks
+        step.streams = not step.check and not self.capture.unsharded.active and not any(call.changed for call in calls)
         return step
+
+    def take(self, step, param, unscale=1.0):
+        """During the backward pass of ``step``, once ``param``'s gradient in it is final: its
+        form, for statistics computed while the pass runs, which :meth:`end` then leaves out
+        (its calls' output gradients need not be kept to the end). None where it waits for
+        end(): a pass whose sums are checked after it, or a form that is not a rule's alone
+        (:meth:`.capture.Capture.take`).
+
+        Args:
+            unscale (float): As for :meth:`end`.
+        """
+        if not step.streams or id(param) in step.forms:
+            return None
+        with outside_autocast(self.params):  # (a backward pass run inside autocast: the forms are not its)
+            form = self.capture.take(id(param))
+        if form is None:
+            return None
+        step.taken.add(id(param))
+        return form if unscale == 1.0 else ScaledGrads(form, unscale)
 
     def end(self, step, grads=None, failed=False, unscale=1.0):
         """After the backward pass: ``{id(param): form}`` of every tracked parameter it reached.
@@ -170,10 +195,8 @@ class Engine:
             for call in step.calls:
                 call.spend()
             self._resumed = False
-        if not step.armed:
-            if step.check and grads:
-                self._warn_if_another_loss(step.forms, grads)
-            return step.forms
+        if step.sums and grads:
+            self._warn_if_another_loss(step.sums, grads)
         found, fired = self.capture.disarm(skip=step.forms, forms=not failed)
         if failed:
             return {}
@@ -193,7 +216,7 @@ class Engine:
         if unscale != 1.0:
             found = {key: ScaledGrads(form, unscale) for key, form in found.items()}
         if step.check:
-            wrong = self._sums_wrong(found, grads or {})
+            wrong = self._sums_wrong(_sums_of(found), grads or {})
             if wrong:
                 raise ValueError(
                     f"the per-sample gradients of {self._describe(wrong)} do not add up to their gradient: "
@@ -205,7 +228,7 @@ class Engine:
             unguessed = [call for call, _ in fired if not call.layout_guessed]
             self._learn_layouts(unguessed)
             self._checked.update(call.module for call in unguessed)
-        self._record_routes(fired, step.forms, found)
+        self._record_routes(fired, step.forms, {**found, **dict.fromkeys(step.taken)})
         return {**found, **step.forms}
 
     def per_sample(self, losses, scale=1.0, retain_graph=True):
@@ -216,13 +239,8 @@ class Engine:
             step = self.begin(losses, scale)
             tracked = [p for p in self.params if p.requires_grad]
             inputs = self._in_graph(tracked)
-            if not step.armed:
-                if not retain_graph:  # free it as a last backward pass would
-                    with user_hooks_set_aside(inputs):
-                        torch.autograd.grad(losses, inputs, torch.zeros_like(losses), allow_unused=True)
-                return self.end(step)  # (the checks' forms)
             try:
-                with user_hooks_set_aside(inputs):
+                with user_hooks_set_aside(inputs), own_pass(self.capture):
                     grads = torch.autograd.grad(
                         losses, inputs, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
                     )
@@ -237,22 +255,29 @@ class Engine:
         names = self._names()
         return {names[id(p)]: self._routes.get(id(p), "not reached") for p in self.params}
 
-    def _checked_forms(self, losses, tracked, scale, calls, batch_size, handles):
-        """The checks, on a backward pass of ``losses`` weighted by ``scale`` that forms every
-        call's parameters, then one more weighted at random (the proof); what passes keeps the
-        forms of the first, the rest take the whole graph. Calls that fail as made once for
-        every sample are checked again taken apart where their output is broadcast, and calls
-        that fail with as many positions as samples (T == N) again time first."""
+    def _checks(self, losses, tracked, scale, calls, batch_size, handles):
+        """The checks, on a backward pass of ``losses`` weighted by ``scale`` whose calls' forms
+        are summed as their output gradients arrive (:class:`_SumsOnTheWay`), then one more
+        weighted at random (the proof). Calls that fail as made once for every sample are
+        checked again taken apart where their output is broadcast, and calls that fail with as
+        many positions as samples (T == N) again time first.
+
+        Returns:
+            ``{id(param): why}`` of the parameters that take the whole graph, and
+            ``{id(param): the sum of its samples' gradients}`` of the rest (the pass's own forms
+            are not kept: the user's backward pass gives them, as on later steps).
+        """
         weights = torch.full_like(losses, scale)
         inputs = self._in_graph(tracked)
         flipped = []
         for attempt in range(2):
-            self.capture.arm()  # (reading the user's hooks, applied to each sample's gradient)
+            sums = _SumsOnTheWay(self.capture)
+            self.capture.arm(sums.keep)  # (reading the user's hooks, applied to each sample's gradient)
             try:
-                with user_hooks_set_aside(inputs):  # the engine's own passes are not the user's step
+                with user_hooks_set_aside(inputs), own_pass(self.capture):  # the engine's own passes are not the user's step
                     grads = torch.autograd.grad(losses, inputs, weights, retain_graph=True, allow_unused=True)
             finally:
-                found, fired = self.capture.disarm()
+                _, fired = self.capture.disarm()
             with user_hooks_set_aside(inputs):
                 mixed = mixed_calls(self.capture, losses, inputs, weights, reference=fired)
             unsure = [c for c in calls if not c.shared and (c in mixed or c.batch_size != batch_size)]
@@ -264,7 +289,7 @@ class Engine:
                 call.take_time_first()
             if not flipped and not any(call.shared for call in unsure):  # none to check again
                 break
-            found = fired = grads = None  # the next pass's replace them: not both held at once
+            sums = fired = grads = None  # the next pass's replace them: not both held at once
         self._learn_layouts([call for call in calls if call not in mixed])
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
@@ -273,28 +298,25 @@ class Engine:
         self._checked.update(call.module for call in calls)
         self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
         whole = self._whole_graph_needs(calls, tracked, batch_size, True)
+        sums.formed_after(skip=whole)
         given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
-        found = {key: form for key, form in found.items() if key in given}  # as end() does
-        unreplayable = {}
-        for key in self._sums_wrong({k: f for k, f in found.items() if k not in whole}, given, unreplayable):
+        checked = {key: entry for key, entry in sums.sums.items() if key in given and key not in whole}
+        for key in self._sums_wrong(checked, given):
             self._whole_only[key] = (
                 "its per-sample gradients do not add up to its gradient: it is used outside its module's forward pass "
                 "(a functional use elsewhere), or an output of its module is changed in place where no hook follows it"
             )
             whole[key] = self._whole_only[key]
-        for key, error in unreplayable.items():
+        for key, error in sums.unreplayable.items():
             self._whole_only[key] = f"its call cannot be replayed sample by sample ({error})"
             whole[key] = self._whole_only[key]
-        for key in given.keys() - found.keys() - whole.keys():
+        for key in given.keys() - sums.found - whole.keys():
             self._whole_only[key] = (
                 "the gradient of its module's output never reached the hook on it (an output changed in place where "
                 "no hook follows it)"
             )
             whole[key] = self._whole_only[key]
-        forms = {key: form for key, form in found.items() if key not in whole}
-        forms.update(self._whole_graph(losses, tracked, whole, scale, calls))
-        self._record_routes(fired, whole, found)
-        return forms
+        return whole, {key: summed for key, (summed, _, _) in checked.items() if key not in whole}
 
     def _learn_layouts(self, proven):
         """Remember where the ``proven`` calls (by the proof, or where it did not run by their
@@ -384,39 +406,30 @@ class Engine:
         params = [p for p in tracked if id(p) in needs]
         inputs = self._in_graph(params)
         activations = sum(math.prod(shape) for call in calls for shape in call.output_shapes)
-        forms = whole_graph_grads(losses, inputs, scale, activations)
+        with own_pass(self.capture):
+            forms = whole_graph_grads(losses, inputs, scale, activations)
         return {id(p): forms[id(g)] for p, g in zip(params, inputs)}
 
     def _in_graph(self, params):
         """The tensors the graph holds for ``params`` (under FSDP2 the unsharded ones)."""
         return [self.capture.unsharded.in_graph(p) for p in params]
 
-    def _sums_wrong(self, forms, grads, unreplayable=None):
-        """Ids of the parameters whose forms do not add up to ``grads`` (``id -> gradient``).
-        ``unreplayable`` (a dict): where given, the forms that fail to be formed (a replay that
-        cannot run) go there, ``id -> the error's first line``, instead of raising."""
-        # The user's hooks change each sample's gradient, so theirs are not checked.
-        pairs = {key: (form, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)}
-        magnitudes = {}
-        for key, (form, _) in pairs.items():
-            try:
-                magnitudes[key] = form.magnitude()
-            except RuntimeError as error:
-                if unreplayable is None:
-                    raise
-                unreplayable[key] = (str(error).splitlines() or [""])[0]
-        pairs = {key: pair for key, pair in pairs.items() if key in magnitudes}
-        floor = max((float(m.nan_to_num(0.0).max()) for m in magnitudes.values() if m.numel()), default=0.0)
-        return [key for key, (form, grad) in pairs.items() if not adds_up(form, grad, magnitudes[key], floor)]
+    def _sums_wrong(self, sums, grads):
+        """Ids of the parameters whose samples' gradients do not add up to ``grads`` (``id ->
+        gradient``); ``sums``: ``id -> (their sum, magnitude, dtypes computed in)``."""
+        sums = {key: entry for key, entry in sums.items() if key in grads}
+        floor = max((float(m.nan_to_num(0.0).max()) for _, m, _ in sums.values() if m.numel()), default=0.0)
+        return [key for key, (summed, m, computed_in) in sums.items() if not adds_up(summed, computed_in, grads[key].detach(), m, floor)]
 
-    def _warn_if_another_loss(self, forms, grads):
-        """The checks' forms are each sample's gradient of the losses as the caller weighs them:
-        a backward pass that ran on another loss (a sum where the caller said mean, a term no
-        sample has) gives another gradient, which the statistics would set against them. Off by
-        more than ANOTHER_LOSS of its norm: rounding is far less, also where a model computes
-        in a narrower dtype inside (Mamba's float32 scan in a float64 model: 1e-7). Parameters
-        with the user's hooks are left out (their gradient is the hooks', not the losses')."""
-        pairs = [(form.grad, grads[key].detach()) for key, form in forms.items() if key in grads and not isinstance(form, HookedGrads)]
+    def _warn_if_another_loss(self, sums, grads):
+        """The checks' sums (``id -> sum``) are of each sample's gradient of the losses as the
+        caller weighs them: a backward pass that ran on another loss (a sum where the caller said
+        mean, a term no sample has) gives another gradient, which the statistics would set
+        against each sample's. Off by more than ANOTHER_LOSS of its norm: rounding is far less,
+        also where a model computes in a narrower dtype inside (Mamba's float32 scan in a float64
+        model: 1e-7). Parameters with the user's hooks are left out (their gradient is the
+        hooks', not the losses')."""
+        pairs = [(summed, grads[key].detach()) for key, summed in sums.items() if key in grads]
         if not pairs:
             return
         off = torch.stack([_norm(s - g).double() for s, g in pairs]).norm()  # (5% needs no float64 copies)
@@ -479,17 +492,86 @@ class _Pass:
     """What :meth:`Engine.begin` decided for one backward pass."""
 
     def __init__(self):
-        self.forms = {}  # formed before the backward pass: whole graph, or the checks' pass
-        self.armed = False  # the capture keeps the calls the backward pass reaches
+        self.forms = {}  # formed before the backward pass: the whole graph's
+        self.sums = {}  # id -> the sum of its samples' gradients, where the checks ran before it
         self.check = False  # the sums are checked after it (no individual losses to check before)
         self.handles = []  # hooks on the graph for calls shared by every sample
         self.calls = []  # the calls of the forward pass it plans for
+        self.streams = False  # take() may give forms while the backward pass runs
+        self.taken = set()  # ids of the parameters whose forms take() gave
 
     def release(self):
         """Removes the hooks on the graph (its later backward passes are not this step's)."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class _SumsOnTheWay:
+    """The checks' pass, kept small: each call's forms summed, parameter by parameter, as its
+    output gradients arrive, and each output's :func:`~.capture.fingerprint` for the proof.
+    Holding the output gradients to the end of the pass, with its graph alive for the user's
+    pass, would take the first step's memory far above a later step's. Calls of several outputs,
+    and those whose forms replay the module (torch.func does not run inside a backward pass),
+    are formed after the pass (:meth:`formed_after`); so is every call of a graph where samples
+    interact (a batch norm in training mode), whose calls upstream take the whole graph: their
+    sums would be computed for nothing.
+
+    Args:
+        capture (Capture): The capture armed with :meth:`keep` for the pass.
+    """
+
+    def __init__(self, capture):
+        self.capture = capture
+        self.sums = {}  # id(param) -> (its samples' gradients summed, their magnitude, the dtype computed in)
+        self.found = set()  # ids of the parameters some call's forms cover
+        self.unreplayable = {}  # id(param) -> the first line of what its call's replay raised
+        self._held = {}  # call -> its output gradients, formed after the pass
+        self._in_the_pass = not capture.mixing
+
+    def keep(self, call, grad, index):
+        """The capture's ``keep``: the fingerprint the pass keeps of the output gradient."""
+        single = len(call.output_shapes) == 1 and call.rule is not None and set(call.params) <= call.direct
+        if self._in_the_pass and grad is not None and single:
+            forms = call.forms([grad])
+            if not call._replays:  # (a rule may decline a call: then the module is replayed)
+                self._add(call, forms)
+                return fingerprint(call, grad, index)
+        self._held.setdefault(call, [None] * len(call.output_shapes))[index] = grad
+        return fingerprint(call, grad, index)
+
+    def formed_after(self, skip):
+        """Sums of the calls held to the end of the pass, but for parameters whose ids are in
+        ``skip`` (taking the whole graph already: their replays need not run)."""
+        held, self._held = self._held, {}
+        for call, grads in held.items():
+            self._add(call, call.forms(grads), skip)
+
+    def _add(self, call, forms, skip=()):
+        for name, form in forms.items():
+            key = id(call.params[name])
+            self.found.add(key)
+            if key in self.capture.hooked or key in skip or key in self.unreplayable:
+                continue  # (the user's hooks change each sample's gradient: theirs are not checked)
+            try:
+                summed, magnitude = form.grad, form.magnitude()
+            except RuntimeError as error:  # a replay that cannot run
+                self.unreplayable[key] = (str(error).splitlines() or [""])[0]
+                self.sums.pop(key, None)
+                continue
+            if key in self.sums:
+                before, scale, computed_in = self.sums[key]
+                summed, magnitude = before + summed, scale + magnitude
+                form_in = least_precise([computed_in, call.computed_in])
+            else:
+                form_in = call.computed_in
+            self.sums[key] = (summed, magnitude, form_in)
+
+
+def _sums_of(forms):
+    """``{id: (sum, magnitude, dtype computed in)}`` of ``forms`` for the sum check, but those
+    that read the user's hooks (which change each sample's gradient)."""
+    return {key: (form.grad, form.magnitude(), form.computed_in) for key, form in forms.items() if not isinstance(form, HookedGrads)}
 
 
 def _norm(tensor):
@@ -504,12 +586,13 @@ def _sample_losses(losses):
     return losses.reshape(-1)
 
 
-def adds_up(form, grad, magnitude, floor=0.0):
-    """Whether ``form``'s per-sample gradients add up to ``grad`` within what rounding explains,
+def adds_up(summed, computed_in, grad, magnitude, floor=0.0):
+    """Whether per-sample gradients that add up to ``summed``, computed in ``computed_in`` (a
+    form's ``grad`` and ``computed_in``), add up to ``grad`` within what rounding explains,
     entry by entry: ``SUM_CHECK_SLACK`` times
 
     * the machine epsilon of the two sums' dtypes times the absolute values summed
-      (``magnitude``, the form's :meth:`~.grads.PerSampleGrads.magnitude`), and at least times
+      (``magnitude``, the forms' :meth:`~.grads.PerSampleGrads.magnitude`), and at least times
       ``floor``: the largest such sum in the model, for entries whose terms were summed before
       the form saw them (a bias's over positions) and cancel (a key projection's bias, zero in
       exact arithmetic, is rounding noise of the model's gradient);
@@ -517,11 +600,10 @@ def adds_up(form, grad, magnitude, floor=0.0):
       ``magnitude``: the parameter's gradient was rounded there once more.
 
     Entries that are not finite in both agree (a sample's NaN is its own)."""
-    summed = form.grad
     summed_in = least_precise([summed.dtype, grad.dtype])
     wide = torch.promote_types(torch.promote_types(summed.dtype, grad.dtype), torch.float32)
     summed, grad, magnitude = summed.to(wide), grad.to(wide), magnitude.to(wide)
-    computed_in = least_precise([summed_in, form.computed_in])
+    computed_in = least_precise([summed_in, computed_in])
     rounding = torch.finfo(summed_in).eps * magnitude.clamp(min=floor)
     if computed_in != summed_in:
         rounding = rounding + torch.finfo(computed_in).eps * magnitude
