@@ -30,7 +30,7 @@ def first_and_later(model_name, factory, loss_check=True):
     """Seconds of the first step and of the second under the cockpit ``factory`` makes."""
     checked = Engine._warn_if_another_loss
     if not loss_check:
-        Engine._warn_if_another_loss = lambda self, forms, grads: None
+        Engine._warn_if_another_loss = lambda self, sums, grads: None
     try:
         _, step = tracked_problem(model_name, factory)
         times = []

@@ -645,11 +645,11 @@ class _TrackedBackward:
         :meth:`micro_batch` follows: then refused)."""
         if self._stream_error is not None or self._pass is None:
             return
-        unscale = self._plan.unscale
+        unscale, param = self._plan.unscale, self._plan.params[index]
         try:
-            form = self._cockpit._engine.take(self._pass, self._plan.params[index], unscale)
+            form = self._cockpit._engine.take(self._pass, param, unscale)
             if form is not None:
-                with outside_autocast(self._cockpit.params):
+                with outside_autocast([param]):
                     self._statistics.stream(index, form, grad * unscale if unscale != 1.0 else grad)
         except Exception as error:  # raised when the pass ends, where end() would have raised it
             self._stream_error = error

@@ -1432,6 +1432,37 @@ def test_two_cockpits_around_one_backward_pass_each_get_the_oracles_numbers():
     assert inner.get_output()[0]["GradNorm"] == pytest.approx(norms, rel=1e-4)
 
 
+def test_statistics_that_raise_in_the_backward_pass_raise_when_the_step_ends(monkeypatch):
+    """Statistics computed as gradients arrive raise nothing inside the backward pass (autograd
+    would carry the error out of backward() half done): the step raises it on exit, as it did
+    when they were computed after the pass."""
+    from cockpit_fast import statistics
+
+    model = _mlp()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    compute = statistics.compute_statistics
+
+    def failing(index, *args, **kwargs):
+        if index == 1:
+            raise ArithmeticError("statistics of parameter 1")
+        return compute(index, *args, **kwargs)
+
+    for step in range(2):
+        x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        model.zero_grad()
+        if step:
+            monkeypatch.setattr(statistics, "compute_statistics", failing)
+        finished = []
+        with contextlib.ExitStack() as raised:
+            if step:
+                raised.enter_context(pytest.raises(ArithmeticError, match="statistics of parameter 1"))
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+                finished.append(all(p.grad is not None for p in model.parameters()))
+        assert finished == [True]  # the pass ran to its end
+
+
 def test_two_cockpits_around_one_backward_pass_with_the_whole_graph_get_a_lone_cockpits_numbers():
     """A batch norm sends the parameters upstream of it to the whole graph: one cockpit's batched
     passes of the whole graph are no part of the other's step (counted as backward passes of its

@@ -402,6 +402,7 @@ class Capture:
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
         self._formed = {}  # call -> the forms of its parameters not taken yet in the armed pass (take())
+        self._holding = {}  # id(param) -> the (call, output gradients) of the armed pass that use it
         self._handed_out = set()  # ids of the parameters whose forms take() gave in the armed pass
         self._root = None  # the outermost module with tracked parameters last called, for names
         self._keep = None
@@ -568,7 +569,7 @@ class Capture:
     def _fire(self, call, grads, broadcast=False):
         # A shared call's output gets the samples' gradients summed: its broadcasts' count instead.
         if self.armed and call.shared == broadcast:
-            self._fired.append((call, [self._taken(call, g, i) for i, g in enumerate(grads)]))
+            self._add_fired(call, [self._taken(call, g, i) for i, g in enumerate(grads)])
 
     def _wants(self, call):
         """Whether the pass under way keeps ``call``'s own output gradients (:meth:`_fire`)."""
@@ -581,8 +582,13 @@ class Capture:
             grads = self._reached.get(call)
             if grads is None:
                 grads = self._reached[call] = [self._taken(call, None, i) for i in range(len(call.output_shapes))]
-                self._fired.append((call, grads))
+                self._add_fired(call, grads)
             grads[index] = self._taken(call, grad, index)
+
+    def _add_fired(self, call, grads):
+        self._fired.append((call, grads))
+        for p in call.params.values():  # (take() looks them up by parameter)
+            self._holding.setdefault(id(p), []).append((call, grads))
 
     def _taken(self, call, grad, index):
         if grad is not None and call.routed is not None:  # rows that are not the samples, regrouped as its inputs were
@@ -599,6 +605,7 @@ class Capture:
         """Keep the calls whose outputs get gradients in the next backward pass, and those
         gradients (or what ``keep(call, gradient, output index)`` makes of each)."""
         self._fired, self._keep, self._reached, self._formed, self._handed_out = [], keep, {}, {}, set()
+        self._holding = {}
         # The user's hooks on parameters, applied to each sample's gradient.
         self.hooked = {id(p) for p in self._tracked.values() if users_hooks(p)}
 
@@ -606,7 +613,7 @@ class Capture:
         """Stop keeping calls; returns ``{id(param): form}`` of what the backward pass reached
         (none without ``forms``), but for the parameters whose ids are in ``skip``, and the
         ``(call, output gradients)`` it reached."""
-        fired, self._fired, self._reached = self._fired or [], None, {}
+        fired, self._fired, self._reached, self._holding = self._fired or [], None, {}, {}
         skip = {*skip, *self._handed_out}
         formed, self._formed, self._handed_out = self._formed, {}, set()
         if self._keep is not None or not forms:  # fingerprints, or a pass that failed: no forms
@@ -635,7 +642,7 @@ class Capture:
         taken are let go. None where its forms wait for disarm: no call fired holds it, or one
         replays its module, chains through a parametrization or reads the user's hooks (those
         run after the backward pass, outside it)."""
-        holding = [(call, grads) for call, grads in self._fired or () if any(id(p) == key for p in call.params.values())]
+        holding = self._holding.get(key)
         if not holding or key in self._handed_out or key in self.hooked or self._keep is not None:
             return None
         if any(call.rule is None or any(id(p) == key and name not in call.direct for name, p in call.params.items()) for call, _ in holding):

@@ -167,7 +167,7 @@ class Engine:
         """
         if not step.streams or id(param) in step.forms:
             return None
-        with outside_autocast(self.params):  # (a backward pass run inside autocast: the forms are not its)
+        with outside_autocast([param]):  # (a backward pass run inside autocast: the forms are not its)
             form = self.capture.take(id(param))
         if form is None:
             return None
