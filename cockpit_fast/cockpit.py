@@ -13,6 +13,7 @@ import torch.distributed
 from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import BackpropExtension
+from torch.amp.grad_scaler import OptState
 
 from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics, unreached, zero_grad
 from cockpit_fast._validation import check_info
@@ -146,14 +147,17 @@ class Cockpit:
         whole graph), to see why a step is slow. Names are those in the model last called."""
         return {} if self._engine is None else self._engine.routes()
 
+    def _named(self, indices):
+        """The tracked parameters ``indices``, by name where the engine saw the model."""
+        return self._engine._describe([id(self.params[i]) for i in indices]) if self._engine is not None else f"tracked parameters {indices}"
+
     def _say_unreached(self, global_step, indices):
         """Warns once that the tracked parameters ``indices`` got no gradient at a step."""
         if not indices or self._said_unreached:
             return
         self._said_unreached = True
-        named = self._engine._describe([id(self.params[i]) for i in indices]) if self._engine is not None else f"tracked parameters {indices}"
         warnings.warn(
-            f"[Step {global_step}] {named} got no gradient: no backward pass of the step reached them (an expert no "
+            f"[Step {global_step}] {self._named(indices)} got no gradient: no backward pass of the step reached them (an expert no "
             "token chose, a layer the forward pass skipped); each sample's gradient of each counts as zero (said once)",
             RuntimeWarning,
             stacklevel=5,
@@ -765,6 +769,16 @@ class _TrackedBackward:
         cockpit, plan = self._cockpit, self._plan
         if self._unplanned is not None:
             raise self._unplanned
+        changed = self._grads.changed_in_place() if self._grads is not None else []
+        if self._grads is not None and _unscaled_inside(plan):  # (its kernel leaves the version counters alone)
+            grads = self._grads.grads
+            changed = [i for i in grads if plan.params[i].grad is not None and grads[i].data_ptr() == plan.params[i].grad.data_ptr()]
+        if changed:
+            raise ValueError(
+                f"[Step {plan.global_step}] the gradient of {cockpit._named(sorted(changed))} "
+                "was changed in place inside `with cockpit(...)` (clip_grad_norm_, GradScaler.unscale_, zero_grad), "
+                "where the statistics read the backward pass's gradient: change it after the `with` block"
+            )
         grads, passes = self._grads.take() if self._grads is not None else ({}, 1)
         if self._grads is not None and not passes:
             raise ValueError(
@@ -909,6 +923,14 @@ def _then(action):
     finally:
         if action:
             action()
+
+
+def _unscaled_inside(plan):
+    """Whether ``info['grad_scaler']`` unscaled the gradients in place (``unscale_``) since its
+    last ``update()``: inside the step's ``with`` block, before the statistics read them."""
+    scaler = plan.given("grad_scaler") if plan.has_info("grad_scaler") else None
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    return any(state.get("stage") is OptState.UNSCALED for state in states.values())
 
 
 def _weight_of_each_sample(losses, loss, batch_size):

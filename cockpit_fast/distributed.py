@@ -80,6 +80,7 @@ class GradientCapture:
 
     def __init__(self, params, keep_graph, copy=True, unsharded=None, on_grad=None):
         self.grads = {}
+        self._versions = {}  # index -> the version of its kept gradient when kept
         self.on_grad = on_grad  # on_grad(index, gradient), at each parameter's first gradient since take()
         self._tasks = set()  # the backward passes (autograd graph tasks) that reached a parameter
         self._params, self._unsharded = params, unsharded
@@ -130,6 +131,7 @@ class GradientCapture:
             kept = grad if keep_graph else grad.detach().clone() if copy else grad.detach()
             first = index not in self.grads
             self.grads[index] = kept if first else self.grads[index] + kept
+            self._versions[index] = self.grads[index]._version
             if first and self.on_grad is not None:
                 self.on_grad(index, kept.detach())
 
@@ -142,6 +144,12 @@ class GradientCapture:
         grads, passes = self.grads, self.passes
         self.grads, self._tasks = {}, set()
         return grads, passes
+
+    def changed_in_place(self):
+        """Indices of the kept gradients changed in place since they were kept: not copied, the
+        tensor autograd hands on became ``param.grad``, which the caller then changed (clipped,
+        unscaled by a ``GradScaler``) before :meth:`take`."""
+        return [index for index, grad in self.grads.items() if grad._version != self._versions[index]]
 
     def remove(self):
         """Remove the hooks (the per-sample engine's own backward passes are none of the step's)."""

@@ -138,7 +138,7 @@ class Engine:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
             checks = losses is not None and unchecked and losses.shape[0] > 0
-            whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None)
+            whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None, root)
             own_passes = self.capture.unsharded.engine_passes(checks or bool(whole))
             # (Every rank hands in its losses, or none does: then none runs a pass of its own.)
             with own_passes if losses is not None else contextlib.nullcontext():
@@ -297,7 +297,7 @@ class Engine:
         self._guessed.update(call.module for call in guessed if call not in mixed)
         self._checked.update(call.module for call in calls)
         self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
-        whole = self._whole_graph_needs(calls, tracked, batch_size, True)
+        whole = self._whole_graph_needs(calls, tracked, batch_size, True, losses.grad_fn)
         sums.formed_after(skip=whole)
         given = {id(p): g for p, g in zip(tracked, grads) if g is not None}
         checked = {key: entry for key, entry in sums.sums.items() if key in given and key not in whole}
@@ -340,8 +340,10 @@ class Engine:
                 handles.extend(shared.install(adds, call, self.capture))
         return [call for call, adds in found.items() if adds is None]
 
-    def _whole_graph_needs(self, calls, tracked, batch_size, has_losses):
-        """``{id(param): why}`` of the parameters no module call gives exactly."""
+    def _whole_graph_needs(self, calls, tracked, batch_size, has_losses, root=None):
+        """``{id(param): why}`` of the parameters no module call gives exactly; ``root``: where
+        the backward pass starts (a parameter no call covers that its graph does not reach is
+        unused, not one for the whole graph: a head the step skips)."""
         needs, covered = {}, set()
         for call in calls:
             ids = {id(p) for p in call.params.values()}
@@ -367,10 +369,12 @@ class Engine:
                 why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
             if why is not None:
                 needs.update(dict.fromkeys(ids, why))
+        uncovered = [p for p in tracked if id(p) not in covered and id(p) not in self._unused and id(p) not in self._whole_only]
+        unreached = set() if root is None or not uncovered else {id(p) for p in uncovered} - self._reached_from(root, uncovered)
         for p in tracked:
             if id(p) in self._whole_only:
                 needs.setdefault(id(p), self._whole_only[id(p)])
-            elif id(p) not in covered and id(p) not in self._unused and (has_losses or self._resumed):
+            elif id(p) not in covered and id(p) not in self._unused | unreached and (has_losses or self._resumed):
                 # (unused ones: per_param() tells)
                 why = (
                     "its forward pass ran while the cockpit was not watching (after a step no quantity tracks, "
@@ -409,6 +413,22 @@ class Engine:
         with own_pass(self.capture):
             forms = whole_graph_grads(losses, inputs, scale, activations)
         return {id(p): forms[id(g)] for p, g in zip(params, inputs)}
+
+    def _reached_from(self, root, params):
+        """Ids of those of ``params`` whose gradient the graph of ``root`` (a backward node)
+        accumulates."""
+        wanted = {id(self.capture.unsharded.in_graph(p)): id(p) for p in params}
+        found, seen, stack = set(), {root}, [root]
+        while stack and len(found) < len(wanted):
+            node = stack.pop()
+            variable = getattr(node, "variable", None)  # (an AccumulateGrad's leaf)
+            if variable is not None and id(variable) in wanted:
+                found.add(wanted[id(variable)])
+            for next_node, _ in node.next_functions:
+                if next_node is not None and next_node not in seen:
+                    seen.add(next_node)
+                    stack.append(next_node)
+        return found
 
     def _in_graph(self, params):
         """The tensors the graph holds for ``params`` (under FSDP2 the unsharded ones)."""
