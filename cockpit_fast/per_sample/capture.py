@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from cockpit_fast.fsdp import Unsharded
 from cockpit_fast.per_sample import parametrized, rules, shared
-from cockpit_fast.per_sample.generic import ModuleVjpGrads, replay_grads
+from cockpit_fast.per_sample.generic import ModuleVjpGrads, graph_nodes, replay_grads
 from cockpit_fast.per_sample.grads import HookedGrads, combine
 
 
@@ -167,6 +167,12 @@ class Call:
     def size(self):
         """How many values the call's parameters hold: what a replay forms per sample."""
         return sum(p.numel() for p in self.params.values())
+
+    def served_by_rule(self, names):
+        """Whether the module's rule alone gives the forms of its parameters ``names``, from
+        tensors at hand inside the backward pass (no replay, no parametrization chained; a
+        rule may still decline the call, leaving :attr:`_replays` after :meth:`forms`)."""
+        return self.rule is not None and set(names) <= self.direct
 
     def needs_replay(self):
         """Whether some parameter of the call may take the generic route (no rule covers it)."""
@@ -645,7 +651,7 @@ class Capture:
         holding = self._holding.get(key)
         if not holding or key in self._handed_out or key in self.hooked or self._keep is not None:
             return None
-        if any(call.rule is None or any(id(p) == key and name not in call.direct for name, p in call.params.items()) for call, _ in holding):
+        if not all(call.served_by_rule(name for name, p in call.params.items() if id(p) == key) for call, _ in holding):
             return None
         parts = []
         for call, grads in holding:
@@ -682,14 +688,10 @@ def in_graph(root, calls):
     """Those of ``calls`` some of whose hooked nodes are in the graph of ``root`` (a backward
     node): a backward pass from there reaches their hooks."""
     wanted, found = {id(call) for call in calls}, set()
-    seen, stack = {root}, [root]
-    while stack and len(found) < len(wanted):
-        node = stack.pop()
+    for node in graph_nodes(root):
+        if len(found) == len(wanted):
+            break
         found.update(id(ref()) for ref in node.metadata.get(HOOKED_TAG, ()) if id(ref()) in wanted)
-        for next_node, _ in node.next_functions:
-            if next_node is not None and next_node not in seen:
-                seen.add(next_node)
-                stack.append(next_node)
     return [call for call in calls if id(call) in found]
 
 

@@ -37,7 +37,7 @@ import torch
 
 from cockpit_fast.per_sample import routed, shared
 from cockpit_fast.per_sample.capture import Capture, fingerprint, in_graph, least_precise, mixed_calls, outside_autocast, own_pass
-from cockpit_fast.per_sample.generic import refuse_reentrant_checkpoints, whole_graph_grads
+from cockpit_fast.per_sample.generic import graph_nodes, refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
 SUM_CHECK_SLACK = 16
@@ -369,13 +369,16 @@ class Engine:
                 why = f"its module {type(call.module).__name__} draws random numbers (dropout) and cannot be replayed"
             if why is not None:
                 needs.update(dict.fromkeys(ids, why))
+        # No call covers them, nor are they known unused (per_param() tells of those), nor does
+        # the graph leave them out.
         uncovered = [p for p in tracked if id(p) not in covered and id(p) not in self._unused and id(p) not in self._whole_only]
-        unreached = set() if root is None or not uncovered else {id(p) for p in uncovered} - self._reached_from(root, uncovered)
+        orphans = {id(p) for p in uncovered}
+        if root is not None and uncovered:
+            orphans &= self._reached_from(root, uncovered)
         for p in tracked:
             if id(p) in self._whole_only:
                 needs.setdefault(id(p), self._whole_only[id(p)])
-            elif id(p) not in covered and id(p) not in self._unused | unreached and (has_losses or self._resumed):
-                # (unused ones: per_param() tells)
+            elif id(p) in orphans and (has_losses or self._resumed):
                 why = (
                     "its forward pass ran while the cockpit was not watching (after a step no quantity tracks, "
                     "the cockpit watches again for the step numbered one more, or one it is told of with "
@@ -417,17 +420,13 @@ class Engine:
     def _reached_from(self, root, params):
         """Ids of those of ``params`` whose gradient the graph of ``root`` (a backward node)
         accumulates."""
-        wanted = {id(self.capture.unsharded.in_graph(p)): id(p) for p in params}
-        found, seen, stack = set(), {root}, [root]
-        while stack and len(found) < len(wanted):
-            node = stack.pop()
+        wanted, found = {id(self.capture.unsharded.in_graph(p)): id(p) for p in params}, set()
+        for node in graph_nodes(root):
+            if len(found) == len(wanted):
+                break
             variable = getattr(node, "variable", None)  # (an AccumulateGrad's leaf)
             if variable is not None and id(variable) in wanted:
                 found.add(wanted[id(variable)])
-            for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
         return found
 
     def _in_graph(self, params):
@@ -551,13 +550,12 @@ class _SumsOnTheWay:
 
     def keep(self, call, grad, index):
         """The capture's ``keep``: the fingerprint the pass keeps of the output gradient."""
-        single = len(call.output_shapes) == 1 and call.rule is not None and set(call.params) <= call.direct
-        if self._in_the_pass and grad is not None and single:
-            forms = call.forms([grad])
-            if not call._replays:  # (a rule may decline a call: then the module is replayed)
-                self._add(call, forms)
-                return fingerprint(call, grad, index)
-        self._held.setdefault(call, [None] * len(call.output_shapes))[index] = grad
+        now = self._in_the_pass and grad is not None and len(call.output_shapes) == 1 and call.served_by_rule(call.params)
+        forms = call.forms([grad]) if now else None
+        if forms is not None and not call._replays:  # (a rule may decline a call: then the module is replayed)
+            self._add(call, forms)
+        else:
+            self._held.setdefault(call, [None] * len(call.output_shapes))[index] = grad
         return fingerprint(call, grad, index)
 
     def formed_after(self, skip):

@@ -198,16 +198,24 @@ def refuse_reentrant_checkpoints(losses):
     ``use_reentrant=True``: its backward pass runs a backward pass of its own, which a batched
     backward pass cannot see into (its parameters would get no per-sample gradient)."""
     checkpointed = torch.utils.checkpoint.CheckpointFunction._backward_cls
-    seen, stack = set(), [losses.grad_fn]
+    if any(type(node) is checkpointed for node in graph_nodes(losses.grad_fn)):
+        raise ValueError(
+            "per-sample gradients through activation checkpointing with use_reentrant=True cannot be computed: "
+            "its backward pass is a backward pass of its own. Use "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+        )
+
+
+def graph_nodes(root):
+    """The backward nodes of the graph of ``root`` (a backward node, or None: none), each once,
+    ``root`` first; the caller may stop early."""
+    if root is None:
+        return
+    seen, stack = {root}, [root]
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
-            continue
-        if type(node) is checkpointed:
-            raise ValueError(
-                "per-sample gradients through activation checkpointing with use_reentrant=True cannot be computed: "
-                "its backward pass is a backward pass of its own. Use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-            )
-        seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        yield node
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
