@@ -30,6 +30,16 @@ def is_sharded(tensor):
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
+def each(foreach_op, tensors, *others):
+    """``foreach_op`` (a ``torch._foreach_*`` function) over ``tensors`` and the lists ``others``
+    (tensors or scalars, one per tensor): one call, not a launch per tensor; where FSDP2's shards
+    stand beside plain tensors, whose mix DTensor's foreach ops refuse, one call per tensor."""
+    tensors = list(tensors)
+    if len({is_sharded(t) for t in tensors}) <= 1:
+        return list(foreach_op(tensors, *others)) if tensors else []
+    return [foreach_op([t], *([other[i]] for other in others))[0] for i, t in enumerate(tensors)]
+
+
 def refuse_fsdp1(params):
     """Raises a ValueError if ``params`` are FSDP1's flat parameters, or parameters it flattened
     into one (``use_orig_params=True`` keeps them as views; a model wrapped after the cockpit
@@ -219,7 +229,8 @@ def norms(tensors):
     """The ℓ₂ norm of each tensor (0-dim tensors). Those of tensors sharded over one process
     group (FSDP2's shards) are summed over it in one collective for all of them, not one each."""
     tensors = list(tensors)
-    local = [torch.linalg.vector_norm(t.to_local() if is_sharded(t) else t) for t in tensors]
+    # One fused call for all of them: on a GPU a launch each would cost the host more than the norms.
+    local = list(torch._foreach_norm([t.to_local() if is_sharded(t) else t for t in tensors])) if tensors else []
     sharded = [i for i, t in enumerate(tensors) if is_sharded(t)]
     if not sharded:
         return local

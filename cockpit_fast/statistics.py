@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from cockpit_fast import ops
 from cockpit_fast import stats as columns
-from cockpit_fast.fsdp import gathered, is_sharded
+from cockpit_fast.fsdp import gathered, is_sharded, norms
 from cockpit_fast.per_sample.grads import DenseGrads, Kept, Scratch, ZeroGrads, held_bytes
 
 ROUTES = ("auto", "factors", "grad_batch")
@@ -448,7 +448,7 @@ class StepContext(_InfoReader):
 
     def summed(self, statistic):
         """``statistic`` summed over the tracked parameters."""
-        return sum(self.per_param(statistic))
+        return sum_of(self.per_param(statistic))
 
     def grads(self):
         """Mini-batch gradients of the tracked parameters (of the global batch when distributed)."""
@@ -471,7 +471,7 @@ class StepContext(_InfoReader):
         """Squared norm of the mini-batch gradient over all tracked parameters (0-dim tensor),
         computed once a step for every quantity that reads it (NormTest, InnerTest, OrthoTest)."""
         if self._grad_l2_squared is None:
-            self._grad_l2_squared = sum((g**2).sum() for g in self.grads())
+            self._grad_l2_squared = squared_norm(self.grads())
         return self._grad_l2_squared
 
     def micro_batch_norms(self, quantity):
@@ -507,6 +507,18 @@ def zero_grad(param):
 def flatten(tensors):
     """Concatenate flattened tensors into one vector."""
     return torch.cat([t.flatten() for t in tensors])
+
+
+def sum_of(tensors):
+    """The sum of same-shaped tensors, from two kernels rather than one addition each: on a GPU a
+    step's statistics wait on their launches from the host, not on the device."""
+    return torch.stack(list(tensors)).sum(0)
+
+
+def squared_norm(tensors):
+    """Sum of the tensors' squared ℓ₂ norms (0-dim): their norms from one fused call (FSDP2's
+    shards reduced over their processes), not three kernels for each."""
+    return torch.stack(norms(tensors)).square().sum()
 
 
 class StepStatistics:
@@ -676,7 +688,7 @@ class StepStatistics:
                 if not values or not statistic.once_a_step and not with_samples <= set(values):
                     continue  # a micro-batch gave it a gradient but no form: per_param() says so
                 values = [values[batch] for batch in sorted(values)]
-                yield statistic, index, values[0] if len(values) == 1 else statistic.merge(values)
+                yield statistic, index, merged(statistic, values)
 
     def _of_zeros(self, statistic, index, reached, grads, statistics, zeros):
         """``{micro-batch: value}`` of ``statistic`` for the micro-batches whose backward passes did
@@ -744,7 +756,7 @@ def compute_statistics(index, param, form, statistics, grad=None, route="auto", 
             for statistic, value in range_values.items():
                 parts[statistic].append(value)
         for statistic in from_chunks:
-            values[statistic] = statistic.merge(parts[statistic])
+            values[statistic] = merged(statistic, parts[statistic])
     return values
 
 
@@ -760,6 +772,12 @@ def _chunk_values(index, param, form, statistics, grad, route, batch_size):
         if fused and directions is None:
             directions = _stacked_directions(chunk_hot, fused[1])
         yield _from_grad_batch(chunk_hot, statistics, fused, directions)
+
+
+def merged(statistic, parts):
+    """``statistic``'s value over consecutive parts (chunks of samples, micro-batches): a single
+    part as it is, not copied."""
+    return parts[0] if len(parts) == 1 else statistic.merge(parts)
 
 
 def _unformed(hot, statistics):
@@ -803,6 +821,8 @@ def _closed_form_cost(statistic):
 def _stacked_directions(hot, dots):
     """``(len(dots), *shape)``: the direction of each dot product in ``dots`` (of ``hot``'s chunk)."""
     g = hot.grad_batch
+    if len(dots) == 1:  # a view: no copy of one direction
+        return dots[0].direction(hot).unsqueeze(0)
     return torch.stack([statistic.direction(hot) for statistic in dots]) if dots else g.new_empty(0, *g.shape[1:])
 
 

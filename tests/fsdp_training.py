@@ -287,3 +287,33 @@ def refusals(config, rank=0, rank_sizes=None):
     except ValueError as error:
         said["curvature"] = str(error)
     return said
+
+
+def foreach_over_a_mix(config, rank=0, rank_sizes=None):
+    """``fsdp.each`` and ``fsdp.norms`` over a list mixing FSDP2's shards and plain tensors (a
+    model whose root is not sharded), which DTensor's foreach ops refuse in one call: the
+    differences and their norms, with what the per-tensor ops give."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cockpit_fast.fsdp import each, norms
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)  # the same full tensors in every process
+    full = [torch.randn(6, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)]
+    start = [torch.randn_like(t) for t in full]
+    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+    mixed, mixed_start = [shard(full[0]), full[1], shard(full[2])], [shard(start[0]), start[1], shard(start[2])]
+    try:
+        torch._foreach_sub(mixed, mixed_start)
+        refused = False
+    except RuntimeError:
+        refused = True
+    differences = each(torch._foreach_sub, mixed, mixed_start)
+    return {
+        "refused in one call": refused,
+        "differences": [d.full_tensor() if hasattr(d, "full_tensor") else d for d in differences],
+        "norms": norms(differences),
+        "expected": [a - b for a, b in zip(full, start)],
+    }
+

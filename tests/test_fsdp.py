@@ -125,3 +125,14 @@ def test_fsdp1_dtensors_in_ops_and_backpack_extensions_are_refused_clearly(tmp_p
     assert unused.startswith("no backward pass reached the tracked parameters") and "wrapped after the cockpit" in unused
     assert said["op"].startswith("cockpit_fast.batch_l2: g is a DTensor") and "to_local()" in said["op"]
     assert said["curvature"].startswith("TICDiag needs BackPACK's extensions") and "FSDP2" in said["curvature"]
+
+
+def test_one_foreach_call_or_one_per_tensor_where_shards_stand_beside_plain_tensors(tmp_path):
+    # DTensor's foreach ops refuse such a mix: fsdp.each then goes a tensor at a time; the norms
+    # of the shards are summed over their processes.
+    for rank, said in enumerate(run_group([1, 1], {"job": "fsdp_each"}, tmp_path)):
+        assert said["refused in one call"], rank
+        for got, expected in zip(said["differences"], said["expected"]):
+            assert torch.equal(got, expected), rank
+        assert torch.allclose(torch.stack(said["norms"]), torch.stack([e.norm() for e in said["expected"]]), rtol=1e-12), rank
+

@@ -9,10 +9,10 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from cockpit_fast.fsdp import gathered
+from cockpit_fast.fsdp import each, gathered
 from cockpit_fast.per_sample.capture import outside_autocast
 from cockpit_fast.per_sample.grads import Kept
-from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection
+from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection, squared_norm, sum_of
 from cockpit_fast.quantities._optim import is_plain_sgd, learning_rates
 from cockpit_fast.quantities.quantity import (
     Deferred,
@@ -108,7 +108,7 @@ class Alpha(FastQuantity):
 
     def _fit(self, ctx, start):
         directions = [start.directions[i] for i in range(len(ctx.params))]
-        update_size = torch.sqrt(sum((d**2).sum() for d in directions))
+        update_size = torch.sqrt(squared_norm(directions))
         if not start.sgd:  # the update is known only now
             start.observation.dots = ctx.summed(self._kept_projection(start))
         end = _Observation(ctx, self, ctx.summed(Projection(self, "end", start.direction)))
@@ -234,8 +234,8 @@ class _StartPoint:
         dots = None
         if self.sgd:
             rates = [self._learning_rates[id(p)] for p in ctx.params]
-            self.directions = {i: -lr * g for i, (lr, g) in enumerate(zip(rates, ctx.grads()))}
-            dots = sum(-lr * d for lr, d in zip(rates, ctx.per_param(DOT_MEAN_GRAD)))
+            self.directions = dict(enumerate(each(torch._foreach_mul, ctx.grads(), [-lr for lr in rates])))
+            dots = sum_of(torch._foreach_mul(ctx.per_param(DOT_MEAN_GRAD), [-lr for lr in rates]))
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:

@@ -1,7 +1,6 @@
 """Norm of the mini-batch gradient."""
 
-import torch
-
+from cockpit_fast.fsdp import norms
 from cockpit_fast.quantities.quantity import FastQuantity
 
 
@@ -11,4 +10,4 @@ class GradNorm(FastQuantity):
     NEEDS_CALLS = False
 
     def _compute(self, ctx):
-        return [torch.linalg.vector_norm(g) for g in ctx.grads()]
+        return norms(ctx.grads())

@@ -1,13 +1,15 @@
 """Size of the parameter update of one step."""
 
-from cockpit_fast.fsdp import norms
+import torch
+
+from cockpit_fast.fsdp import each, norms
 from cockpit_fast.quantities.quantity import FastQuantity, StepCache, plain_state, restored_copies
 
 
 def layerwise_distance(params, reference):
     """ℓ₂ distance of each parameter from its reference copy (list of 0-dim tensors; of FSDP2's
     shards, reduced over the processes in one collective)."""
-    return norms(p.detach() - r for p, r in zip(params, reference))
+    return norms(each(torch._foreach_sub, [p.detach() for p in params], list(reference)))
 
 
 class UpdateSize(FastQuantity):
