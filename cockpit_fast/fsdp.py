@@ -225,12 +225,14 @@ def _on_any_rank(flag, meshes):
     return bool(flag.item())
 
 
-def norms(tensors):
-    """The ℓ₂ norm of each tensor (0-dim tensors). Those of tensors sharded over one process
-    group (FSDP2's shards) are summed over it in one collective for all of them, not one each."""
+def norms(tensors, dtype=None):
+    """The ℓ₂ norm of each tensor (0-dim tensors; in ``dtype`` if given, else in each one's own).
+    Those of tensors sharded over one process group (FSDP2's shards) are summed over it in one
+    collective for all of them, not one each."""
     tensors = list(tensors)
     # One fused call for all of them: on a GPU a launch each would cost the host more than the norms.
-    local = list(torch._foreach_norm([t.to_local() if is_sharded(t) else t for t in tensors])) if tensors else []
+    local = [t.to_local() if is_sharded(t) else t for t in tensors]
+    local = list(torch._foreach_norm(local, 2, dtype=dtype)) if tensors else []
     sharded = [i for i, t in enumerate(tensors) if is_sharded(t)]
     if not sharded:
         return local

@@ -24,6 +24,7 @@ Sums (``BATCH_L2``, ``SUM_GRAD_SQUARED``, dot products) stay in BackPACK's units
 individual gradients themselves, because their clamping and binning depend on the scale.
 """
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -517,8 +518,11 @@ def sum_of(tensors):
 
 def squared_norm(tensors):
     """Sum of the tensors' squared ℓ₂ norms (0-dim): their norms from one fused call (FSDP2's
-    shards reduced over their processes), not three kernels for each."""
-    return torch.stack(norms(tensors)).square().sum()
+    shards reduced over their processes), not three kernels for each. The norms are taken in
+    float32 at least: a bfloat16 norm, squared, would double its rounding."""
+    tensors = list(tensors)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+    return torch.stack(norms(tensors, dtype)).square().sum()
 
 
 class StepStatistics:

@@ -276,3 +276,25 @@ def test_alpha_with_the_update_known_before_the_next_forward_pass_is_alpha_at_th
     at_the_end = _alpha_with_adam(**kwargs)
     assert sorted(projected) == [0, 1, 2] and all(isinstance(projected[s]["Alpha"], float) for s in projected)
     assert_same_output(projected, at_the_end, rtol=1e-12, atol=0)
+
+
+def test_alpha_with_sgd_takes_a_tensor_learning_rate_beside_a_float_one():
+    # (torch's optimizers take tensor learning rates; foreach's scalar lists take numbers only)
+    def alpha(first_rate):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": first_rate}, {"params": model[2].parameters(), "lr": 0.05}])
+        cp = FastCockpit(list(model.parameters()), quantities=[fast_quantities.Alpha(fast_schedules.linear(1))])
+        data = torch.Generator().manual_seed(1)
+        for step in range(3):
+            inputs, labels = torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            individual = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+            with cp(step, info={"batch_size": 8, "individual_losses": individual, "loss": individual.mean(), "optimizer": opt}):
+                individual.mean().backward()
+            opt.step()
+        return cp.get_output()
+
+    expected = alpha(0.1)
+    assert sorted(expected) == [0, 1]
+    assert_same_output(alpha(torch.tensor(0.1)), expected, rtol=1e-6, atol=0)

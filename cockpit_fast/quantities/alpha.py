@@ -1,5 +1,6 @@
 """Normalized step length α from a noise-aware quadratic fit along the update."""
 
+import numbers
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -146,6 +147,15 @@ class _Observation:
         return projections.mean(), projections.var()
 
 
+def _scaled(tensors, factors):
+    """Each tensor times its factor: in one foreach call where the factors are numbers (a
+    launch per tensor costs a GPU step's host more than the products), else one by one
+    (foreach's scalar lists take no tensor learning rate)."""
+    if all(isinstance(factor, numbers.Number) for factor in factors):
+        return each(torch._foreach_mul, tensors, factors)
+    return [factor * t for factor, t in zip(factors, tensors)]
+
+
 @dataclass(frozen=True, repr=False)  # Projection's repr: the same in every process
 class _KeptProjection(Projection):
     """Projections of the start's individual gradients, kept by each process until the end of
@@ -233,9 +243,9 @@ class _StartPoint:
         or, without SGD, what to project at the end."""
         dots = None
         if self.sgd:
-            rates = [self._learning_rates[id(p)] for p in ctx.params]
-            self.directions = dict(enumerate(each(torch._foreach_mul, ctx.grads(), [-lr for lr in rates])))
-            dots = sum_of(torch._foreach_mul(ctx.per_param(DOT_MEAN_GRAD), [-lr for lr in rates]))
+            steps = [-self._learning_rates[id(p)] for p in ctx.params]
+            self.directions = dict(enumerate(_scaled(ctx.grads(), steps)))
+            dots = sum_of(_scaled(ctx.per_param(DOT_MEAN_GRAD), steps))
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
