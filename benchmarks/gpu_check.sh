@@ -13,6 +13,8 @@
 # bench      the op benchmark on CUDA beside Cockpit's pure-torch path (bench_ops.py --device cuda)
 # step       tracked steps against plain ones on CUDA: the CNN and GPT-2 (124M, T=1024), economy and
 #            GradHist2d, then GPT-2 under bf16 autocast (bench_step.py --device cuda)
+# streaming  GPT-2 (124M) under bf16 autocast, then in float32: statistics as each gradient arrives
+#            against the same step with them computed after the backward pass (bench_streaming.py)
 # profile    where the CUDA step's time goes (profile_step.py): the CNN plain and under economy, GPT-2
 #            (124M) under economy in float32 and under bf16 autocast
 # Logs go to $OUT (or /tmp/gpu_check); each stage has a time limit (seconds) in LIMIT_<stage>.
@@ -64,6 +66,12 @@ for stage in "$@"; do
         --model cnn --model gpt2 --gpt2-size 124m --only economy GradHist2d
       TAIL=6 run bench_step_bf16 "${LIMIT_step:-240}" "$PY" benchmarks/bench_step.py --device cuda --bf16 \
         --model gpt2 --gpt2-size 124m --only economy GradHist2d
+      ;;
+    streaming)
+      for precision in --bf16 ""; do
+        TAIL=5 run "bench_streaming${precision:+_bf16}" "${LIMIT_streaming:-200}" "$PY" benchmarks/bench_streaming.py \
+          --device cuda --model gpt2 --gpt2-size 124m $precision
+      done
       ;;
     profile)
       for problem in "cnn plain" "cnn economy" "gpt2 economy" "gpt2 economy --bf16"; do
