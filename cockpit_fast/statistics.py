@@ -24,10 +24,9 @@ Sums (``BATCH_L2``, ``SUM_GRAD_SQUARED``, dot products) stay in BackPACK's units
 individual gradients themselves, because their clamping and binning depend on the scale.
 """
 
-import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, reduce
 from typing import Callable
 
 import torch
@@ -521,7 +520,7 @@ def squared_norm(tensors):
     shards reduced over their processes), not three kernels for each. The norms are taken in
     float32 at least: a bfloat16 norm, squared, would double its rounding."""
     tensors = list(tensors)
-    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+    dtype = reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
     return torch.stack(norms(tensors, dtype)).square().sum()
 
 
