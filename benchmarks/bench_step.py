@@ -119,6 +119,21 @@ def training_step(model, params, cockpit, batch):
     return step
 
 
+def add_problem_arguments(parser, model, cases):
+    """The arguments of the scripts built on this one that choose one problem: the model, the
+    case (one of ``cases``), the device, GPT-2's size and bf16 autocast; :func:`use_problem` takes them."""
+    parser.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default=model)
+    parser.add_argument("--case", choices=cases, default="economy")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpt2-size", choices=sorted(GPT2_SIZES), default="small")
+    parser.add_argument("--bf16", action="store_true", help="every step under bf16 autocast")
+
+
+def use_problem(args):
+    """Set the device, GPT-2's size and bf16 autocast that :func:`add_problem_arguments` read."""
+    SETTINGS.update(device=args.device, gpt2_size=args.gpt2_size, bf16=args.bf16)
+
+
 def autocast():
     if SETTINGS["bf16"]:
         return torch.autocast(SETTINGS["device"], dtype=torch.bfloat16)

@@ -35,15 +35,11 @@ def statistics_after_the_pass():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="gpt2")
-    parser.add_argument("--case", choices=bench_step.CASES, default="economy")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--gpt2-size", choices=sorted(bench_step.GPT2_SIZES), default="small")
-    parser.add_argument("--bf16", action="store_true")
+    bench_step.add_problem_arguments(parser, model="gpt2", cases=bench_step.CASES)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    bench_step.SETTINGS.update(device=args.device, gpt2_size=args.gpt2_size, bf16=args.bf16)
+    bench_step.use_problem(args)
     warnings.simplefilter("ignore")
 
     def tracked(p):

@@ -19,15 +19,11 @@ import bench_step
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn", "gpt2"], default="cnn")
-    parser.add_argument("--case", choices=bench_step.CASES + ["plain"], default="economy")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--gpt2-size", choices=sorted(bench_step.GPT2_SIZES), default="small")
-    parser.add_argument("--bf16", action="store_true")
+    bench_step.add_problem_arguments(parser, model="cnn", cases=bench_step.CASES + ["plain"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args()
-    bench_step.SETTINGS.update(device=args.device, gpt2_size=args.gpt2_size, bf16=args.bf16)
+    bench_step.use_problem(args)
 
     from cockpit_fast import quantities
     from cockpit_fast.cockpit import Cockpit
