@@ -340,7 +340,7 @@ class Engine:
                 handles.extend(shared.install(adds, call, self.capture))
         return [call for call, adds in found.items() if adds is None]
 
-    def _whole_graph_needs(self, calls, tracked, batch_size, has_losses, root=None):
+    def _whole_graph_needs(self, calls, tracked, batch_size, has_losses, root):
         """``{id(param): why}`` of the parameters no module call gives exactly; ``root``: where
         the backward pass starts (a parameter no call covers that its graph does not reach is
         unused, not one for the whole graph: a head the step skips)."""
@@ -420,7 +420,7 @@ class Engine:
     def _reached_from(self, root, params):
         """Ids of those of ``params`` whose gradient the graph of ``root`` (a backward node)
         accumulates."""
-        wanted, found = {id(self.capture.unsharded.in_graph(p)): id(p) for p in params}, set()
+        wanted, found = {id(t): id(p) for t, p in zip(self._in_graph(params), params)}, set()
         for node in graph_nodes(root):
             if len(found) == len(wanted):
                 break
