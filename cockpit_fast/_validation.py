@@ -80,6 +80,8 @@ def as_count(op, value, name):
 
 def as_number(op, value, name):
     """``value`` as a float (see the module's rules)."""
+    if type(value) is float and not torch.compiler.is_compiling():  # (the engine's every call: skip the checks below)
+        return value
     if isinstance(value, bool) or not (isinstance(value, numbers.Real) or _is_0d_tensor(value, "real")):
         raise ValueError(f"cockpit_fast.{op}: {name} must be a real number, got {value!r}")
     return guard_scalar(float(value))  # under Dynamo, float() of a symbolic number stays symbolic
@@ -189,6 +191,19 @@ def check_range(op, range, bins, dtype, axis=""):
     in float32."""
     lo, hi = as_pair(op, range, f"{axis}range", "(lo, hi)")
     lo, hi = as_number(op, lo, f"{axis}range's lo"), as_number(op, hi, f"{axis}range's hi")
+    # Bounds checked once for an op, bins and dtype (not where traced: the numbers may be symbolic).
+    key = (op, lo, hi, bins, dtype, axis)
+    if torch.compiler.is_compiling() or key not in _CHECKED_BOUNDS:
+        _check_bounds(op, lo, hi, bins, dtype, axis)
+        if not torch.compiler.is_compiling() and len(_CHECKED_BOUNDS) < 64:
+            _CHECKED_BOUNDS.add(key)
+    return lo, hi
+
+
+_CHECKED_BOUNDS = set()
+
+
+def _check_bounds(op, lo, hi, bins, dtype, axis):
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError(f"cockpit_fast.{op}: {axis}range bounds must be finite, got ({lo}, {hi})")
     if not lo < hi:
@@ -201,7 +216,6 @@ def check_range(op, range, bins, dtype, axis=""):
             f"cockpit_fast.{op}: {axis}range ({lo}, {hi}) with {bins} bins overflows or rounds to "
             f"nothing in {precision}, the precision the bins are computed in"
         )
-    return lo, hi
 
 
 def check_scale(op, scale, dtype, name="scale"):

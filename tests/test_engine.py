@@ -21,7 +21,7 @@ from any_models import build, flat, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
-from cockpit_fast.per_sample.capture import Call
+from cockpit_fast.per_sample.capture import Call, outside_autocast
 from cockpit_fast.utils.configuration import configuration
 from cockpit_fast.utils.training import training_step
 
@@ -216,6 +216,20 @@ def test_a_cockpit_inside_an_autocast_region_computes_its_statistics_in_the_mode
     output = cockpit.get_output()[0]
     assert output["NormTest"] == pytest.approx(_norm_test(g), rel=1e-6)
     assert output["InnerTest"] == pytest.approx(inner**0.5, rel=1e-6)
+
+
+def test_outside_autocast_turns_autocast_off_where_it_is_on_and_on_again_after():
+    """The engine's and the statistics' arithmetic runs outside autocast; where autocast is off
+    already, entering costs nothing and changes nothing."""
+    param = torch.zeros(2)
+    with outside_autocast([param]):
+        assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with outside_autocast([param, torch.zeros(2, device="meta")]):  # (meta tensors have no autocast)
+            assert not torch.is_autocast_enabled("cpu")
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu")
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
 def test_a_functional_use_outside_its_layer_under_autocast_still_takes_the_whole_graph():

@@ -278,18 +278,31 @@ def _autocast_state(device):
         return None
 
 
-@contextlib.contextmanager
 def outside_autocast(params):
     """Autocast off on the devices of ``params`` (and the CPU): the engine's and the statistics'
     own arithmetic in the dtypes they pick, wherever the caller's step runs (inside autocast,
     CUDA would sum a bf16 gradient in float32 and multiply float32 factors in bf16); the calls'
-    rules and replays compute under the autocast each call ran under (:meth:`Call.as_it_ran`)."""
+    rules and replays compute under the autocast each call ran under (:meth:`Call.as_it_ran`).
+    A context manager; where autocast is off already, one that does nothing (entered once or
+    twice a parameter in the backward pass: its cost counts)."""
+    on = [device for device in {"cpu", *(p.device.type for p in params)} if _autocast_on(device)]
+    return _autocast_off(on) if on else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _autocast_off(devices):
     with contextlib.ExitStack() as stack:
-        for device in {"cpu", *(p.device.type for p in params)}:
-            state = _autocast_state(device)
-            if state is not None and state[2]:
-                stack.enter_context(torch.autocast(device, enabled=False))
+        for device in devices:
+            stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def _autocast_on(device):
+    """Whether autocast is on for the device type ``device`` (never for those without it: meta)."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return False
 
 
 def _computed_in(args, outputs, autocast):
