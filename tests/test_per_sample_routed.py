@@ -127,6 +127,19 @@ class FlatRowsMLP(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+class ChunkedRowsMLP(FlatRowsMLP):
+    """The MLP on the token rows of the batch's samples in two chunks: the first third of the
+    samples (a slice), the rest (``torch.split``); each row's sample read through them."""
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        n, t, d = x.shape
+        k = n // 3
+        chunks = (x[:k], torch.split(x, [k, n - k])[1])
+        h = torch.cat([self.mlp(chunk.reshape(-1, d)).reshape(-1, t, d) for chunk in chunks])
+        return self.head(torch.tanh(h).mean(1))
+
+
 def _labelled(tokens):
     def batch(n, gen, dtype):
         features = lambda: torch.randn(n, any_models.TOKENS, WIDTH, generator=gen, dtype=dtype)  # noqa: E731
@@ -145,6 +158,7 @@ MODULE_LOCAL = {  # every parameter served module-local, the experts' and MLP's 
     "moe_top2": _entry(lambda: MoEClassifier(Top2MoE())),
     "flat_rows_mlp": _entry(FlatRowsMLP),
     "flat_rows_mlp_of_features": _entry(lambda: FlatRowsMLP(embedded=False), tokens=False),  # sample-major guessed
+    "chunked_rows_mlp": _entry(ChunkedRowsMLP),
 }
 SKIPPING = {"moe_skipping_experts": _entry(lambda: MoEClassifier(SkippingTop1MoE()))}
 WHOLE_GRAPH = {  # the experts' or MLP's rows cannot be told apart: the whole graph

@@ -34,6 +34,9 @@ _ELEMENTWISE = {  # row by row: a row of the output comes from the same row of t
     "CloneBackward0", "ToCopyBackward0", "AliasBackward0", "NativeDropoutBackward0",
 }
 _VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+# What the graph reads for most calls: row r is sample r, of the batch's N rows. Kept as this
+# marker, not as arange(N), until a gather picks rows (a model's every call reads it each step).
+EACH_ROW_ITS_SAMPLE = "each row its sample"
 
 
 class Regrouping:
@@ -86,7 +89,7 @@ def regroup(calls, n, guess):
         samples, guessed = (torch.zeros(0, dtype=torch.long) if rows == 0 else _call_rows(call, n, memo)), False
         if samples is None and rows is not None and rows != n and rows % n == 0 and guess(call):
             samples, guessed = torch.arange(rows) // (rows // n), True
-        if samples is None or samples.shape[0] != rows or _is_identity(samples, n):
+        if samples is None or _count(samples, n) != rows or _is_identity(samples, n):
             continue
         device = next((a.device for a in call.args if isinstance(a, torch.Tensor)), samples.device)
         _apply(call, Regrouping(samples.to(device), n, guessed))
@@ -100,11 +103,24 @@ def _apply(call, regrouping):
 
 
 def _is_identity(samples, n):
+    if samples is EACH_ROW_ITS_SAMPLE:
+        return True
     return samples.shape[0] == n and torch.equal(samples, torch.arange(n, device=samples.device))
 
 
+def _count(samples, n):
+    """The rows ``samples`` (a tensor, or :data:`EACH_ROW_ITS_SAMPLE`) gives a sample."""
+    return n if samples is EACH_ROW_ITS_SAMPLE else samples.shape[0]
+
+
+def _tensor(samples, n):
+    """``samples`` as a ``(rows,)`` tensor."""
+    return torch.arange(n) if samples is EACH_ROW_ITS_SAMPLE else samples
+
+
 def _call_rows(call, n, memo):
-    """``(R,)`` the sample of each row of ``call``'s first tensor input, or None."""
+    """``(R,)`` the sample of each row of ``call``'s first tensor input (or
+    :data:`EACH_ROW_ITS_SAMPLE`), or None."""
     if call.input_node is None:
         return None
     node, output_nr = call.input_node
@@ -112,7 +128,8 @@ def _call_rows(call, n, memo):
 
 
 def _rows(node, nr, n, memo, depth):
-    """``(rows,)`` the sample of each row (dimension 0) of output ``nr`` of ``node``, or None."""
+    """``(rows,)`` the sample of each row (dimension 0) of output ``nr`` of ``node`` (or
+    :data:`EACH_ROW_ITS_SAMPLE`), or None."""
     if node is None or depth > 256:
         return None
     key = (node, nr, depth > 0)  # the call's own input never defaults to the samples
@@ -133,27 +150,31 @@ def _read(node, nr, n, memo, depth):
     if name == "IndexBackward0":
         index = _row_index(node._saved_indices)
         above = None if index is None else parent()
-        return None if above is None else above[index.to(above.device)]
+        return None if above is None else _tensor(above, n)[index.cpu()]
     if name == "IndexSelectBackward0" and node._saved_dim == 0:
         above = parent()
-        return None if above is None else above[node._saved_index.to(above.device)]
+        return None if above is None else _tensor(above, n)[node._saved_index.cpu()]
     if name == "SliceBackward0" and node._saved_dim == 0:
         above = parent()
-        return None if above is None else above[node._saved_start : node._saved_end : node._saved_step]
+        if above is None or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:  # (all the rows, in order)
+            return above
+        return _tensor(above, n)[node._saved_start : node._saved_end : node._saved_step]
     if name in ("SplitBackward0", "SplitWithSizesBackward0") and node._saved_dim == 0:
         sizes = node._saved_split_sizes if name == "SplitWithSizesBackward0" else None
         start = sum(sizes[:nr]) if sizes is not None else nr * node._saved_split_size
         above = parent()
-        return None if above is None else above[start : start + shape[0]]
+        if above is None or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:
+            return above
+        return _tensor(above, n)[start : start + shape[0]]
     for ref in node.metadata.get(shared.CALL_TAG, ()):  # the output of a captured call: its input's rows
         call = ref()
         if call is not None and call.input_node is not None:
             above = _rows(*call.input_node, n, memo, depth + 1)
-            if above is not None and above.shape[0] == shape[0]:
+            if above is not None and _count(above, n) == shape[0]:
                 return above
     if name in _VIEWS and parents and parents[0][0] is not None:
         above = parent()
-        above = None if above is None else _reshaped(above, parents[0][0]._input_metadata[parents[0][1]].shape, shape)
+        above = None if above is None else _reshaped(above, n, parents[0][0]._input_metadata[parents[0][1]].shape, shape)
         if above is not None:
             return above
     if name in _ELEMENTWISE:
@@ -163,7 +184,7 @@ def _read(node, nr, n, memo, depth):
                 if above is not None:
                     return above
     # Rows read from nowhere above: a tensor of N rows holds the samples (but the call's own input).
-    return torch.arange(n) if depth and shape[0] == n else None
+    return EACH_ROW_ITS_SAMPLE if depth and shape[0] == n else None
 
 
 def _row_index(indices):
@@ -179,11 +200,14 @@ def _leading(node, nr):
     return meta[nr].shape[0] if nr < len(meta) and len(meta[nr].shape) else None
 
 
-def _reshaped(samples, before, after):
+def _reshaped(samples, n, before, after):
     """The samples of the rows of a reshape from ``before`` to ``after``, from those of
     ``before``'s rows; None where a row of ``after`` holds several samples."""
     if not before or not after or math.prod(before) == 0:
         return None
+    if after[0] == before[0]:  # the same rows
+        return samples
+    samples = _tensor(samples, n)
     if after[0] % before[0] == 0:  # leading dimensions flattened: each row splits in k
         return samples.repeat_interleave(after[0] // before[0])
     if before[0] % after[0] == 0:  # rows merged: one sample each, or not read
