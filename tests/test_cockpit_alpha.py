@@ -298,3 +298,44 @@ def test_alpha_with_sgd_takes_a_tensor_learning_rate_beside_a_float_one():
     expected = alpha(0.1)
     assert sorted(expected) == [0, 1]
     assert_same_output(alpha(torch.tensor(0.1)), expected, rtol=1e-6, atol=0)
+
+
+def _alpha_of(make_optimizers, told=0):
+    """Alpha over three steps of a small MLP whose ``make_optimizers(model)`` all step, the
+    cockpit told of optimizer ``told`` (None: of none, so it keeps the parameters: exact for
+    any update)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    optimizers = make_optimizers(model)
+    cp = FastCockpit(list(model.parameters()), quantities=[fast_quantities.Alpha(fast_schedules.linear(1))])
+    data = torch.Generator().manual_seed(1)
+    for step in range(3):
+        inputs, labels = torch.randn(8, 6, generator=data, dtype=torch.float64), torch.randint(0, 3, (8,), generator=data)
+        individual = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+        info = {"batch_size": 8, "individual_losses": individual, "loss": individual.mean()}
+        if told is not None:
+            info["optimizer"] = optimizers[told]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no optimizer handed in)
+            with cp(step, info=info):
+                individual.mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    output = cp.get_output()
+    assert sorted(output) == [0, 1]
+    return output
+
+
+def test_alpha_with_sgd_that_maximizes_matches_the_kept_parameters():
+    # Before: taken as plain SGD, the update -lr g where it is +lr g (-0.27 where -1.0 is right).
+    make = lambda model: [torch.optim.SGD(model.parameters(), lr=0.3, maximize=True)]  # noqa: E731
+    assert_same_output(_alpha_of(make), _alpha_of(make, told=None), rtol=1e-9, atol=0)
+
+
+def test_alpha_with_sgd_of_some_parameters_matches_the_kept_parameters():
+    # Two optimizers, as a GAN's; the cockpit told of one. Before: a bare KeyError.
+    def make(model):
+        return [torch.optim.SGD(model[0].parameters(), lr=0.5), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+
+    assert_same_output(_alpha_of(make), _alpha_of(make, told=None), rtol=1e-9, atol=0)

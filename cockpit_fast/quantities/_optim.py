@@ -6,7 +6,8 @@ import torch
 
 
 def is_plain_sgd(optimizer):
-    """Whether ``optimizer`` is SGD without momentum, dampening, Nesterov or weight decay.
+    """Whether ``optimizer`` is SGD without momentum, dampening, Nesterov, weight decay or
+    ``maximize``.
 
     Only then is the update ``-lr * gradient``, known inside the backward pass.
     """
@@ -17,6 +18,7 @@ def is_plain_sgd(optimizer):
         and math.isclose(group["momentum"], 0.0, abs_tol=1e-8)
         and math.isclose(group["dampening"], 0.0, abs_tol=1e-8)
         and group["nesterov"] is False
+        and not group.get("maximize", False)
         for group in optimizer.param_groups
     )
 
@@ -24,7 +26,10 @@ def is_plain_sgd(optimizer):
 def require_plain_sgd(optimizer, quantity):
     """Raise a ValueError unless ``optimizer`` is plain SGD (see :func:`is_plain_sgd`)."""
     if not is_plain_sgd(optimizer):
-        raise ValueError(f"{type(quantity).__name__} only supports SGD without momentum, got {optimizer}")
+        raise ValueError(
+            f"{type(quantity).__name__} only supports SGD without momentum (nor dampening, Nesterov, weight decay or "
+            f"maximize), got {optimizer}"
+        )
 
 
 def single_learning_rate(optimizer):

@@ -33,10 +33,11 @@ class Alpha(FastQuantity):
     α = 0 means the step reached the minimum of the fit, -1 that it stayed where it started
     (or the fit is concave), 1 that it overshot to the same height. None when the fit failed.
 
-    For SGD without momentum the update is -lr times the mini-batch gradient, so the individual
-    gradients' projections on it are -lr times their dot products with that gradient (the
-    statistic InnerTest and OrthoTest read too, computed once) and nothing big is kept. For
-    other optimizers (or none handed in via ``info['optimizer']``, which warns) the parameters
+    For SGD without momentum (owning every tracked parameter) the update is -lr times the
+    mini-batch gradient, so the individual gradients' projections on it are -lr times their dot
+    products with that gradient (the statistic InnerTest and OrthoTest read too, computed once)
+    and nothing big is kept. For other optimizers (or none handed in via ``info['optimizer']``,
+    which warns) the parameters
     and individual gradients of step t are kept until the update is known: once an optimizer
     that owns every tracked parameter has stepped, they are projected at the next module call
     (a forward pass), and let go before that pass's activations are made; else at step t + 1.
@@ -85,7 +86,9 @@ class Alpha(FastQuantity):
             warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
             return None
         optimizer = ctx.info("optimizer", self)
-        return learning_rates(optimizer) if is_plain_sgd(optimizer) else None
+        rates = learning_rates(optimizer) if is_plain_sgd(optimizer) else None
+        # (An optimizer of some of the parameters, as a GAN's: the others' updates are unknown.)
+        return rates if rates is not None and all(id(p) in rates for p in ctx.params) else None
 
     def track(self, ctx):
         step = ctx.global_step
