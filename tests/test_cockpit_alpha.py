@@ -300,10 +300,10 @@ def test_alpha_with_sgd_takes_a_tensor_learning_rate_beside_a_float_one():
     assert_same_output(alpha(torch.tensor(0.1)), expected, rtol=1e-6, atol=0)
 
 
-def _alpha_of(make_optimizers, told=0):
-    """Alpha over three steps of a small MLP whose ``make_optimizers(model)`` all step, the
-    cockpit told of optimizer ``told`` (None: of none, so it keeps the parameters: exact for
-    any update)."""
+def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1)):
+    """Alpha over three steps of a small MLP whose ``make_optimizers(model)`` all step (after
+    ``after_block(model)``), the cockpit told of optimizer ``told`` (None: of none, so it keeps
+    the parameters: exact for any update); ``steps``: those with a value."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
     optimizers = make_optimizers(model)
@@ -316,14 +316,16 @@ def _alpha_of(make_optimizers, told=0):
         if told is not None:
             info["optimizer"] = optimizers[told]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (no optimizer handed in)
+            warnings.filterwarnings("ignore", "No 'optimizer' handed in")
             with cp(step, info=info):
                 individual.mean().backward()
+        if after_block is not None:
+            after_block(model)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     output = cp.get_output()
-    assert sorted(output) == [0, 1]
+    assert sorted(step for step, values in output.items() if "Alpha" in values) == list(steps)
     return output
 
 
@@ -339,3 +341,25 @@ def test_alpha_with_sgd_of_some_parameters_matches_the_kept_parameters():
         return [torch.optim.SGD(model[0].parameters(), lr=0.5), torch.optim.SGD(model[2].parameters(), lr=0.1)]
 
     assert_same_output(_alpha_of(make), _alpha_of(make, told=None), rtol=1e-9, atol=0)
+
+
+def _sgd(model):
+    return [torch.optim.SGD(model.parameters(), lr=0.3)]
+
+
+def test_alpha_with_sgd_whose_gradient_is_clipped_after_the_block_says_so_then_keeps_parameters():
+    # SGD steps with the clipped gradient, not -lr times the step's. Before: a value from that
+    # (-0.18 where -0.21 is right).
+    clip = lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"\[Step 0\] Alpha: SGD stepped with another gradient"):
+        clipped = _alpha_of(_sgd, after_block=clip, steps=[1])
+    expected = _alpha_of(_sgd, told=None, after_block=clip)
+    assert clipped[1]["Alpha"] == pytest.approx(expected[1]["Alpha"], rel=1e-9)
+
+
+def test_alpha_with_sgd_whose_gradient_a_clip_leaves_as_it_was_keeps_the_known_update():
+    # (A trainer's clip multiplies by 1 where the norm is below the bound: in place, the same values.)
+    clip = lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_output(_alpha_of(_sgd, after_block=clip), _alpha_of(_sgd), rtol=0, atol=0)

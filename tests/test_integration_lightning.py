@@ -179,6 +179,26 @@ def test_alpha_with_adam_is_the_same_over_two_micro_batches_as_over_one(tmp_path
     assert alphas[1] == pytest.approx(alphas[0], rel=5e-6)  # 8e-7 apart here, 2e-3 before d63566a
 
 
+def test_alpha_with_sgd_and_the_trainers_clipping_says_so_then_keeps_parameters(tmp_path):
+    """Lightning clips after the callback closed the step: plain SGD then steps with the clipped
+    gradient, not -lr times the step's. The first step gets no value (it had one, wrong); later
+    ones keep the parameters, as Alpha does for other optimizers (here: SGD with a weight decay
+    too small to matter, which is not plain SGD)."""
+    x, y = _data(16)  # four steps of 4
+    alphas = {}
+    for name, decay in (("plain", 0.0), ("kept", 2e-8)):
+        module = _Classifier(lr=0.5, optimizer=lambda params, lr, decay=decay: torch.optim.SGD(params, lr=lr, weight_decay=decay))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            callback, _ = _fit(module, [quantities.Alpha(EVERY)], x, y, tmp_path / name, accumulation=1, max_epochs=1, gradient_clip_val=0.05)
+        alphas[name] = {step: values["Alpha"] for step, values in callback.cockpit.get_output().items() if "Alpha" in values}
+        said = [str(w.message) for w in caught if "SGD stepped with another gradient" in str(w.message)]
+        assert len(said) == (name == "plain"), said
+    assert sorted(alphas["plain"]) == [1, 2] and sorted(alphas["kept"]) == [0, 1, 2]
+    for step in (1, 2):
+        assert alphas["plain"][step] == pytest.approx(alphas["kept"][step], rel=1e-4), step
+
+
 def test_a_run_resumed_from_the_trainers_checkpoint_goes_on_as_an_uninterrupted_one(tmp_path):
     x, y = _data(8)  # one optimizer step per epoch
     economy = lambda: configuration("economy", track_schedule=lambda step: True)  # noqa: E731

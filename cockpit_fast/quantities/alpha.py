@@ -10,7 +10,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from cockpit_fast.fsdp import each, gathered
+from cockpit_fast.fsdp import each, gathered, is_sharded
 from cockpit_fast.per_sample.capture import outside_autocast
 from cockpit_fast.per_sample.grads import Kept
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection, squared_norm, sum_of
@@ -36,13 +36,14 @@ class Alpha(FastQuantity):
     For SGD without momentum (owning every tracked parameter) the update is -lr times the
     mini-batch gradient, so the individual gradients' projections on it are -lr times their dot
     products with that gradient (the statistic InnerTest and OrthoTest read too, computed once)
-    and nothing big is kept. For other optimizers (or none handed in via ``info['optimizer']``,
-    which warns) the parameters
-    and individual gradients of step t are kept until the update is known: once an optimizer
-    that owns every tracked parameter has stepped, they are projected at the next module call
-    (a forward pass), and let go before that pass's activations are made; else at step t + 1.
-    Needs ``info`` entries
-    ``loss``, ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
+    and nothing big is kept; where SGD then steps with another gradient (clipped after the
+    ``with`` block), that step gets no value, with a warning, and later steps keep the
+    parameters, as for other optimizers. For other optimizers (or none handed in via
+    ``info['optimizer']``, which warns) the parameters and individual gradients of step t are
+    kept until the update is known: once an optimizer that owns every tracked parameter has
+    stepped, they are projected at the next module call (a forward pass), and let go before
+    that pass's activations are made; else at step t + 1. Needs ``info`` entries ``loss``,
+    ``individual_losses`` and ``batch_size``. The fit itself runs when output is read.
     """
 
     SAVE_SHIFT = 1
@@ -50,6 +51,7 @@ class Alpha(FastQuantity):
     def __init__(self, track_schedule, verbose=False):
         super().__init__(track_schedule, verbose=verbose)
         self._starts = StepCache()
+        self._sgd_gradient_changed = False  # SGD stepped with another gradient than the step's: keep parameters
 
     def is_start(self, global_step):
         """Whether ``global_step`` starts a step whose α is tracked."""
@@ -85,6 +87,10 @@ class Alpha(FastQuantity):
         if not ctx.has_info("optimizer"):
             warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
             return None
+        previous = self._starts.get(ctx.global_step - self.SAVE_SHIFT)  # (its optimizer has stepped by now)
+        self._sgd_gradient_changed |= previous is not None and previous.gradient_changed
+        if self._sgd_gradient_changed:
+            return None
         optimizer = ctx.info("optimizer", self)
         rates = learning_rates(optimizer) if is_plain_sgd(optimizer) else None
         # (An optimizer of some of the parameters, as a GAN's: the others' updates are unknown.)
@@ -96,7 +102,13 @@ class Alpha(FastQuantity):
             start = self._starts.pop(step - self.SAVE_SHIFT)
             if start is not None:
                 start.stop_watching()
-            if start is not None and start.observation is not None:  # else its step failed
+            if start is not None and start.gradient_changed:
+                warnings.warn(
+                    f"[Step {step - self.SAVE_SHIFT}] Alpha: SGD stepped with another gradient than the step's (changed "
+                    "after the `with` block: clipped, say), so its update is not -lr times the step's gradient: "
+                    "no value for this step; from the next one on, Alpha keeps the parameters to read the update"
+                )
+            elif start is not None and start.observation is not None:  # else its step failed
                 self._store(step - self.SAVE_SHIFT, self._fit(ctx, start))
         for dropped in self._starts.drop_before(step):
             dropped.stop_watching()
@@ -104,11 +116,13 @@ class Alpha(FastQuantity):
             self._starts.get(step).observe(ctx, self)
 
     def state_dict(self):  # the starts waiting for their ends
-        return {**super().state_dict(), "starts": self._starts.state_dict(_StartPoint.state_dict)}
+        starts = self._starts.state_dict(_StartPoint.state_dict)
+        return {**super().state_dict(), "starts": starts, "sgd_gradient_changed": self._sgd_gradient_changed}
 
     def load_state_dict(self, state, params):
         super().load_state_dict(state, params)
         self._starts.load_state_dict(state["starts"], lambda start: _StartPoint.restored(start, params))
+        self._sgd_gradient_changed = state.get("sgd_gradient_changed", False)
 
     def _fit(self, ctx, start):
         directions = [start.directions[i] for i in range(len(ctx.params))]
@@ -201,6 +215,8 @@ class _StartPoint:
         self.kept_dots = None  # grad_batch projected on the update, before the end's forward pass
         self._tracked = None  # the parameters, while an optimizer's step is awaited
         self._stepped = False
+        self._handed = None  # SGD: {id(param): (index, param, its gradient weakly, that one's version)} at the step's end
+        self.gradient_changed = False  # SGD stepped with another gradient than the step's
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
@@ -237,9 +253,41 @@ class _StartPoint:
             dots[i] = self.grad_batch[i].dot(self.directions[i])
         self.kept_dots, self.grad_batch, self.params = dots, None, None
 
+    def _check_sgd_gradients(self, params):
+        """Check, once SGD has stepped, that it stepped with this step's gradients (a trainer may
+        clip them after the ``with`` block): else the update is not the one observed."""
+        self._handed = {
+            id(p): (i, p, weakref.ref(p.grad), p.grad._version)
+            for i, p in enumerate(params)
+            if p.grad is not None and not is_sharded(p)
+        }
+        _watch_optimizer_steps()
+        _CHECKING.add(self)
+
+    def check_stepped_gradients(self, owned):
+        """After the step of an optimizer owning the parameters of ids ``owned`` (its gradients
+        still there: a closure's backward pass runs inside the step): whether it stepped with
+        those the update was observed from (their values compared where one was changed in place
+        since: a clip by a factor 1 changes none)."""
+        moved = []
+        for key in owned & self._handed.keys():
+            index, param, grad, version = self._handed.pop(key)
+            if param.grad is not grad() or param.grad._version != version:
+                moved.append((index, param))
+        if not self._handed:
+            _CHECKING.discard(self)
+        if moved and not self.gradient_changed:
+            grads = [param.grad for _, param in moved]
+            if any(grad is None for grad in grads):
+                self.gradient_changed = True
+                return
+            now = _scaled(grads, [-self._learning_rates[id(param)] for _, param in moved])
+            self.gradient_changed = not all(torch.equal(d, self.directions[i]) for (i, _), d in zip(moved, now))
+
     def stop_watching(self):
         """Stop watching the optimizer and the module calls (the end has come, or will not)."""
         _WAITING.discard(self)
+        _CHECKING.discard(self)
 
     def observe(self, ctx, quantity):
         """Take the start's loss information and update (plain SGD's, -lr times the gradient)
@@ -249,6 +297,7 @@ class _StartPoint:
             steps = [-self._learning_rates[id(p)] for p in ctx.params]
             self.directions = dict(enumerate(_scaled(ctx.grads(), steps)))
             dots = sum_of(_scaled(ctx.per_param(DOT_MEAN_GRAD), steps))
+            self._check_sgd_gradients(ctx.params)
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
@@ -268,6 +317,7 @@ class _StartPoint:
                 "observation": vars(self.observation) if observed else None,
                 "rank_sizes": self.rank_sizes if observed else None,
                 "params": self.params,
+                "gradient_changed": self.gradient_changed,
             }
         )
         # Kept individual gradients are this process's samples', in its share of the batch.
@@ -281,6 +331,7 @@ class _StartPoint:
         """The start saved by :meth:`state_dict`, its tensors on the devices of ``params``."""
         start = cls(None)
         start.sgd = state["sgd"]
+        start.gradient_changed = state.get("gradient_changed", False)
         start.directions = {i: restored_state(d, params[i].device, params[i]) for i, d in state["directions"].items()}
         if state["observation"] is not None:
             start.observation = _Observation.restored(state["observation"], params[0].device)
@@ -296,6 +347,8 @@ class _StartPoint:
 
 _WAITING = weakref.WeakSet()
 """The starts waiting for their update (weakly: a cockpit let go takes its own)."""
+_CHECKING = weakref.WeakSet()
+"""The SGD starts whose gradients are checked when SGD steps."""
 _watching = []
 _next_module_call = []
 
@@ -309,11 +362,13 @@ def _watch_optimizer_steps():
 @torch.compiler.disable  # (a compiled function stepping the optimizer runs the hooks too)
 def _optimizer_stepped(optimizer, args, kwargs):
     """After any optimizer's step (a wrapper's, as Accelerate's or Lightning's, steps the one
-    it wraps, which this sees): the waiting starts whose parameters it owns project at the next
-    module call."""
-    if not _WAITING:
+    it wraps, which this sees): the SGD starts whose parameters it owns check the gradients it
+    stepped with; the waiting starts whose parameters it owns project at the next module call."""
+    if not _WAITING and not _CHECKING:
         return
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for start in list(_CHECKING):
+        start.check_stepped_gradients(owned)
     stepped = [start.optimizer_stepped(owned) for start in list(_WAITING)]
     if any(stepped) and not _next_module_call:
         _next_module_call.append(register_module_forward_pre_hook(_project_stepped))
