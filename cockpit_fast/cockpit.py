@@ -733,7 +733,7 @@ class _TrackedBackward:
         """Let the engine plan the per-sample gradients of the backward pass to come; returns
         how that pass weighs each sample's loss."""
         cockpit, plan = self._cockpit, self._plan
-        calls = cockpit._engine.capture.calls()
+        calls = cockpit._engine.calls_of(losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None)
         # The engine's own backward passes before the user's keep what BackPACK stored in
         # the forward pass (each backward pass frees it unless told to retain it), and are
         # none of the step's gradients.
@@ -746,7 +746,14 @@ class _TrackedBackward:
                 weight = _weight_of_each_sample(losses, loss, self._statistics.batch_size)
                 size = count
             else:
-                _check_batch_size(plan, calls)
+                try:
+                    _check_batch_size(plan, calls)
+                except ValueError as error:
+                    if losses is not None or loss is not None:
+                        raise
+                    # No loss yet tells which forward pass is the step's: micro-batches may follow.
+                    self._unplanned = error
+                    return 1.0
                 if not cockpit._mean_checked:
                     _check_mean_loss(plan)
                     cockpit._mean_checked = True

@@ -4,6 +4,7 @@ per-sample gradients from torch.func; micro-batches of equal and unequal sizes, 
 as users scale it, memory bounded, and the mistakes a hurried user makes."""
 
 import copy
+import warnings
 
 import numpy
 import pytest
@@ -410,6 +411,39 @@ def test_a_forward_pass_before_the_block_that_needs_losses_gets_them_from_micro_
     with pytest.raises(ValueError, match=r"need every sample's own loss"):
         with cockpit(1, info={"batch_size": 8}):
             losses.mean().backward()
+
+
+@pytest.mark.parametrize("accumulated", [True, False])
+def test_a_validation_forward_pass_whose_graph_is_kept_is_no_part_of_the_step(accumulated):
+    # A forward pass with gradients on (validation without no_grad), its loss kept for logging,
+    # of another size. Before: the accumulated step was refused at entry ("info['batch_size'] tells
+    # 11 samples, but the forward pass ... had 3"); one pass took the whole graph, with a warning.
+    sizes = [5, 2, 4] if accumulated else [11]
+    (parts,) = _batches(sizes, steps=1, seed=7)
+    model = _model()
+    twin = copy.deepcopy(model).double()
+    tracked = [quantities.NormTest(EVERY), quantities.InnerTest(EVERY), quantities.OrthoTest(EVERY)]
+    cockpit = Cockpit(list(model.parameters()), quantities=tracked)
+    kept = F.cross_entropy(model(torch.randn(3, FEATURES)), torch.randint(0, CLASSES, (3,)))  # noqa: F841
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if accumulated:
+            with cockpit(0, info={"batch_size": 11}) as micro:
+                for x, y in parts:
+                    losses = F.cross_entropy(model(x), y, reduction="none")
+                    micro.micro_batch(individual_losses=losses, loss=losses.sum() / 11)
+                    (losses.sum() / 11).backward()
+        else:
+            ((x, y),) = parts
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(0, info={"batch_size": 11, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
+    x, y = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    losses_of = lambda m, a, b: F.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    g = flat(oracle_grads(twin, list(twin.parameters()), losses_of, x.double(), y))
+    for name, value in gradient_tests(g).items():
+        assert cockpit.get_output()[0][name] == pytest.approx(value, rel=1e-4), name
 
 
 def test_a_grad_scalers_scale_is_divided_out_of_every_micro_batch():

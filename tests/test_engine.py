@@ -1315,8 +1315,14 @@ def test_a_guess_where_sizes_cannot_tell_is_proven_at_the_next_step_with_individ
         model.zero_grad(set_to_none=True)
         losses = losses_of(model, x, y)
         info = {"batch_size": N, "loss": losses.mean(), **({"individual_losses": losses} if given else {})}
-        with cockpit(step, info=info):
-            losses.mean().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(step, info=info):
+                losses.mean().backward()
+        # The guess is said (it was silent: wrong numbers, no word), once; a proven layout is no guess.
+        guessed = [str(w.message) for w in caught if "as many positions as samples" in str(w.message)]
+        assert len(guessed) == (step == 0), (step, guessed)
+        assert not guessed or "4 tracked parameters (inp.weight, inp.bias, mix.weight, mix.bias)" in guessed[0], guessed
         if step:
             expected = _norm_test(flat(oracle_grads(model, params, losses_of, x, y)))
             assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step

@@ -76,6 +76,7 @@ class Engine:
         self._unused = set()  # ids of parameters the checks' backward pass did not reach
         self._routes = {}  # id(param) -> its route at the last step
         self._warned = set()
+        self._guesses_said = set()  # ids of the parameters whose layout guesses were warned of
         self._resumed = False  # watching again since the last pass: the forward pass under way may be unseen
 
     @property
@@ -115,7 +116,7 @@ class Engine:
         tracked = [p for p in self.params if p.requires_grad]
         start = losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
         root = None if start is None else start.grad_fn
-        calls = self.capture.calls()
+        calls = self.calls_of(start)
         changed = [call for call in calls if call.changed_in_place()]
         if changed and losses is not None:
             # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
@@ -154,6 +155,18 @@ class Engine:
         step.check = unchecked and not checks
         step.streams = not step.check and not self.capture.unsharded.active and not any(call.changed for call in calls)
         return step
+
+    def calls_of(self, start):
+        """The module calls of the forward pass a backward pass from ``start`` (a loss or the
+        losses; None where unknown yet) runs through: the calls whose graph is alive, less those
+        of another forward pass whose graph the user keeps (a validation pass with gradients on,
+        its loss kept for logging), where their sizes show that another pass is alive (the graph
+        is read then only)."""
+        calls = self.capture.calls()
+        root = None if start is None else start.grad_fn
+        if root is None or len({call.batch_size for call in calls if not call.shared}) <= 1:
+            return calls
+        return in_graph(root, calls)
 
     def take(self, step, param, unscale=1.0):
         """During the backward pass of ``step``, once ``param``'s gradient in it is final: its
@@ -226,6 +239,7 @@ class Engine:
                 )
             # (A guess is neither learnt nor checked: the next step with individual losses proves it.)
             unguessed = [call for call, _ in fired if not call.layout_guessed]
+            self._warn_of_guesses([call for call, _ in fired if call.layout_guessed])
             self._learn_layouts(unguessed)
             self._checked.update(call.module for call in unguessed)
         self._record_routes(fired, step.forms, {**found, **dict.fromkeys(step.taken)})
@@ -488,6 +502,22 @@ class Engine:
             if message not in self._warned:
                 self._warned.add(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _warn_of_guesses(self, calls):
+        """Warn once of the parameters of ``calls`` whose samples were taken along dimension 0
+        where the sums cannot tell: as many positions as samples (T == N), no losses to prove it."""
+        guessed = {id(p) for call in calls for p in call.params.values()} - self._guesses_said
+        keys = [id(p) for p in self.params if id(p) in guessed]
+        if keys:
+            self._guesses_said.update(keys)
+            warnings.warn(
+                f"cockpit_fast: the calls of {self._describe(keys)} hold as many positions as samples ({calls[0].batch_size}): "
+                "taken batch first, which the sum check cannot tell from time first. A module that runs time first "
+                "inside (it transposes its input) gets wrong per-sample statistics so: hand in "
+                "info['individual_losses'] to have the layout proven",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _names(self):
         """``id(param) -> name`` in the model the capture last saw, else by position."""
