@@ -447,6 +447,16 @@ def test_unused_target_raises_like_the_original(monkeypatch):
                 collector_class(module.Max([setup.model, unused]))(setup.forward())
 
 
+def test_frozen_target_raises_like_the_original():
+    # Before: "appears to not have been used in the graph", where it is a parameter that does not require grad.
+    for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
+        setup = Setup("mlp", torch.float32)
+        frozen = next(setup.model.parameters()).requires_grad_(False)
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            collector_class(module.Max(setup.model))(setup.forward())
+        frozen.requires_grad_(True)
+
+
 def test_base_metric_is_abstract_like_the_original():
     for module, collector_class in ((orig, original.GradientMetricCollector), (fast, GradientMetricCollector)):
         setup = Setup("mlp", torch.float32)

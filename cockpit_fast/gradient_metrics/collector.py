@@ -99,6 +99,13 @@ class GradientMetricCollector:
                 f"own samples only (rank {torch.distributed.get_rank()} of "
                 f"{torch.distributed.get_world_size()}); nothing is gathered across processes"
             )
+        frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        if frozen:  # as the original's torch.autograd.grad, naming them
+            shapes = ", ".join(f"{i} (shape {tuple(self._params[i].shape)})" for i in frozen)
+            raise RuntimeError(
+                f"One of the differentiated Tensors does not require grad: the metrics' target parameters {shapes} "
+                "have requires_grad=False (frozen): leave them out of the metrics' targets"
+            )
         try:
             grads = self._engine.per_sample(loss, retain_graph=retain_graph)
         except RuntimeError as error:
