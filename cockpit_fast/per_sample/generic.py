@@ -125,7 +125,9 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
                     ) from again
                 raise RuntimeError(
                     f"{where} with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
-                    "the module (cockpit_fast.per_sample.register_rule) or track without these parameters"
+                    "the module (cockpit_fast.per_sample.register_rule), track without these parameters, or, on a "
+                    "step without info['individual_losses'], hand them in with their graph (the route through the "
+                    "whole graph)"
                 ) from again
             return {name: torch.stack([row[name] for row in rows]) for name in params}
 
