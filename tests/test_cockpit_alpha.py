@@ -300,16 +300,17 @@ def test_alpha_with_sgd_takes_a_tensor_learning_rate_beside_a_float_one():
     assert_same_output(alpha(torch.tensor(0.1)), expected, rtol=1e-6, atol=0)
 
 
-def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1)):
-    """Alpha over three steps of a small MLP whose ``make_optimizers(model)`` all step (after
-    ``after_block(model)``), the cockpit told of optimizer ``told`` (None: of none, so it keeps
-    the parameters: exact for any update); ``steps``: those with a value."""
+def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1), every=1):
+    """Alpha over ``2 * every + 1`` steps of a small MLP, tracked every ``every`` steps, whose
+    ``make_optimizers(model)`` all step (after ``after_block(model)``), the cockpit told of
+    optimizer ``told`` (None: of none, so it keeps the parameters: exact for any update);
+    ``steps``: those with a value."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
     optimizers = make_optimizers(model)
-    cp = FastCockpit(list(model.parameters()), quantities=[fast_quantities.Alpha(fast_schedules.linear(1))])
+    cp = FastCockpit(list(model.parameters()), quantities=[fast_quantities.Alpha(fast_schedules.linear(every))])
     data = torch.Generator().manual_seed(1)
-    for step in range(3):
+    for step in range(2 * every + 1):
         inputs, labels = torch.randn(8, 6, generator=data, dtype=torch.float64), torch.randint(0, 3, (8,), generator=data)
         individual = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
         info = {"batch_size": 8, "individual_losses": individual, "loss": individual.mean()}
@@ -355,6 +356,25 @@ def test_alpha_with_sgd_whose_gradient_is_clipped_after_the_block_says_so_then_k
         clipped = _alpha_of(_sgd, after_block=clip, steps=[1])
     expected = _alpha_of(_sgd, told=None, after_block=clip)
     assert clipped[1]["Alpha"] == pytest.approx(expected[1]["Alpha"], rel=1e-9)
+
+
+def test_alpha_tracked_every_other_step_keeps_parameters_after_a_clipped_step():
+    # Before: the switch to kept parameters read the start one step back, gone on this
+    # schedule: every tracked step warned and got no value.
+    clip = lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"\[Step 0\] Alpha: SGD stepped with another gradient"):
+        clipped = _alpha_of(_sgd, after_block=clip, steps=[2], every=2)
+    expected = _alpha_of(_sgd, told=None, after_block=clip, steps=[0, 2], every=2)
+    assert clipped[2]["Alpha"] == pytest.approx(expected[2]["Alpha"], rel=1e-9)
+
+
+def test_alpha_takes_a_gradient_changed_by_rounding_alone_for_the_known_update():
+    # (DistributedDataParallel's average of the processes' gradients rounds otherwise than the
+    # cockpit's global mean: a clip by 1 on it was taken for a clip, step 0 lost.)
+    nudge = lambda model: [p.grad.mul_(1 + 1e-9) for p in model.parameters()]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_output(_alpha_of(_sgd, after_block=nudge), _alpha_of(_sgd, told=None, after_block=nudge), rtol=1e-7, atol=0)
 
 
 def test_alpha_with_sgd_whose_gradient_a_clip_leaves_as_it_was_keeps_the_known_update():

@@ -103,6 +103,7 @@ class Alpha(FastQuantity):
             if start is not None:
                 start.stop_watching()
             if start is not None and start.gradient_changed:
+                self._sgd_gradient_changed = True  # (where the next tracked start is not this step's)
                 warnings.warn(
                     f"[Step {step - self.SAVE_SHIFT}] Alpha: SGD stepped with another gradient than the step's (changed "
                     "after the `with` block: clipped, say), so its update is not -lr times the step's gradient: "
@@ -267,8 +268,8 @@ class _StartPoint:
     def check_stepped_gradients(self, owned):
         """After the step of an optimizer owning the parameters of ids ``owned`` (its gradients
         still there: a closure's backward pass runs inside the step): whether it stepped with
-        those the update was observed from (their values compared where one was changed in place
-        since: a clip by a factor 1 changes none)."""
+        those the update was observed from, to :data:`SAME_UPDATE` (compared where one was
+        changed in place since: a clip by a factor 1 changes none)."""
         moved = []
         for key in owned & self._handed.keys():
             index, param, grad, version = self._handed.pop(key)
@@ -282,7 +283,9 @@ class _StartPoint:
                 self.gradient_changed = True
                 return
             now = _scaled(grads, [-self._learning_rates[id(param)] for _, param in moved])
-            self.gradient_changed = not all(torch.equal(d, self.directions[i]) for (i, _), d in zip(moved, now))
+            kept = [self.directions[i] for i, _ in moved]
+            off = squared_norm(each(torch._foreach_sub, now, kept))
+            self.gradient_changed = bool(off > SAME_UPDATE**2 * squared_norm(kept))
 
     def stop_watching(self):
         """Stop watching the optimizer and the module calls (the end has come, or will not)."""
@@ -345,6 +348,11 @@ class _StartPoint:
         return start
 
 
+SAME_UPDATE = 1e-5
+"""How far (relative, in norm) the update SGD made may be from -lr times the step's gradient and
+still be taken for it: the rounding of the processes' reduction (DistributedDataParallel's average
+of their gradients against the cockpit's global mean, about 1e-7 in float32) passes; a clip by
+a factor below 1 - 1e-5 does not."""
 _WAITING = weakref.WeakSet()
 """The starts waiting for their update (weakly: a cockpit let go takes its own)."""
 _CHECKING = weakref.WeakSet()
