@@ -283,3 +283,25 @@ def test_experts_no_row_chose_have_zero_gradients_said_once(dtype):
 
 def test_alpha_with_experts_no_row_chose_matches_the_oracle():
     test_any_model.test_alpha_and_two_step_quantities_match_the_oracle("moe_skipping_experts")
+
+
+def test_a_layout_guessed_without_losses_is_said_of_the_parameters_the_step_reached():
+    # T == N without individual losses: the MoE block's call (N, T, WIDTH) is taken batch first,
+    # said once. Before: the warning listed the 68 experts' parameters no token chose too, again
+    # at the next step.
+    torch.manual_seed(0)
+    model = MoEClassifier(SkippingTop1MoE()).double()
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(test_any_model.EVERY)])
+    gen = torch.Generator().manual_seed(2)
+    n = any_models.TOKENS
+    said = []
+    for step in range(2):
+        x, y = any_models._tokens(n, gen), torch.randint(0, CLASSES, (n,), generator=gen)
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(step, info={"batch_size": n, "loss": loss}):
+                loss.backward()
+        said += [str(w.message) for w in caught if "as many positions as samples" in str(w.message)]
+    assert len(said) == 1 and "1 tracked parameter (embedding.weight)" in said[0], said

@@ -239,7 +239,7 @@ class Engine:
                 )
             # (A guess is neither learnt nor checked: the next step with individual losses proves it.)
             unguessed = [call for call, _ in fired if not call.layout_guessed]
-            self._warn_of_guesses([call for call, _ in fired if call.layout_guessed])
+            self._warn_of_guesses([call for call, _ in fired if call.layout_guessed], {*found, *step.taken})
             self._learn_layouts(unguessed)
             self._checked.update(call.module for call in unguessed)
         self._record_routes(fired, step.forms, {**found, **dict.fromkeys(step.taken)})
@@ -503,10 +503,11 @@ class Engine:
                 self._warned.add(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def _warn_of_guesses(self, calls):
-        """Warn once of the parameters of ``calls`` whose samples were taken along dimension 0
-        where the sums cannot tell: as many positions as samples (T == N), no losses to prove it."""
-        guessed = {id(p) for call in calls for p in call.params.values()} - self._guesses_said
+    def _warn_of_guesses(self, calls, reached):
+        """Warn once of the parameters of ``calls`` (of ids in ``reached``: the pass gave them
+        forms) whose samples were taken along dimension 0 where the sums cannot tell: as many
+        positions as samples (T == N), no losses to prove it."""
+        guessed = {id(p) for call in calls for p in call.params.values()} & reached - self._guesses_said
         keys = [id(p) for p in self.params if id(p) in guessed]
         if keys:
             self._guesses_said.update(keys)
