@@ -796,7 +796,8 @@ class _TrackedBackward:
         if passes > 1 and plan.requests:
             raise ValueError(
                 f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
-                f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`"
+                f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`. (LBFGS, whose step evaluates "
+                "its closure several times: run one closure's backward pass inside the block, the step after it)"
             )
         if self._stream_error is not None:
             raise self._stream_error
