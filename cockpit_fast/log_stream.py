@@ -27,10 +27,17 @@ def log_line(step, row):
 
 
 def write_log(path, output):
-    """Write ``output`` (``{step: row}``) to ``path`` as a whole log."""
+    """Write ``output`` (``{step: row}``) to ``path`` as a whole log: into a file beside it, then
+    put in its place (a reader, or a run killed meanwhile, finds the old log or the new one)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as file:
-        file.write("{\n" + ",\n".join(log_line(step, output[step]) for step in sorted(output)) + _CLOSING)
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "w") as file:
+            file.write("{\n" + ",\n".join(log_line(step, output[step]) for step in sorted(output)) + _CLOSING)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def read_log(path):

@@ -146,3 +146,33 @@ def test_a_checkpoint_whose_log_file_is_gone_is_a_clear_error(tmp_path):
     os.remove(tmp_path / "log.json")
     with pytest.raises(ValueError, match=r"steps up to 1 are in its log file .*log.json, which is gone"):
         Cockpit(_model().parameters(), quantities=configuration("economy")).load_state_dict(state)
+
+
+def test_a_log_cut_short_within_a_step_reads_its_whole_steps(tmp_path):
+    # (A run killed while a step's line was written, or a reader between two of its writes.)
+    from cockpit_fast.log_stream import LogStream
+
+    path = str(tmp_path / "run.json")
+    stream = LogStream(path)
+    for step in range(3):
+        stream.append({step: {"Loss": float(step), "hist": np.arange(3000, dtype=np.float64)}})
+    whole = open(path).read()
+    for cut, steps in ((len(whole) - 3, [0, 1, 2]), (len(whole) - 2000, [0, 1]), (len(whole) // 2, [0]), (2, [])):
+        with open(path, "w") as file:
+            file.write(whole[:cut])
+        assert sorted(read_log(path)) == steps, cut
+    with open(path, "w") as file:
+        file.write(whole[:-2000].replace('"Loss"', '"Loss', 1))  # damaged, not cut short: still an error
+    with pytest.raises(json.JSONDecodeError):
+        read_log(path)
+
+
+def test_a_log_written_whole_replaces_the_old_one_only_once_written(tmp_path):
+    # Before: the file was emptied first; a write that failed (or a run killed) left nothing.
+    from cockpit_fast.log_stream import write_log
+
+    path = str(tmp_path / "run.json")
+    write_log(path, {0: {"Loss": 1.0}})
+    with pytest.raises(TypeError):
+        write_log(path, {0: {"Loss": 1.0}, 1: {"Loss": object()}})
+    assert read_log(path) == {0: {"Loss": 1.0}} and os.listdir(tmp_path) == ["run.json"]

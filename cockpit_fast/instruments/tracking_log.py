@@ -22,10 +22,29 @@ def read_output(source):
         if not os.path.isfile(path):  # Cockpit.write(logpath) wrote logpath + ".json"
             path += ".json"
         with open(path) as log_file:
-            return json.load(log_file, object_hook=_decode_numpy)
+            text = log_file.read()
+        try:
+            return json.loads(text, object_hook=_decode_numpy)
+        except json.JSONDecodeError:
+            for cut in _complete_steps(text):
+                try:
+                    return json.loads(cut, object_hook=_decode_numpy)
+                except json.JSONDecodeError:
+                    pass
+            raise
     raise ValueError(
         f"Source must be a cockpit (with get_output()) or the path of a .json log. Got {source!r}"
     )
+
+
+def _complete_steps(text):
+    """A streamed log cut short (its run killed, or read while a step's line was written), closed
+    after its last line (if whole) or after the line before (a line holds no newline); nothing
+    where it is no such log."""
+    if not text.startswith("{\n"):
+        return []
+    end = text.rfind("},\n")
+    return [text.rstrip() + "\n}\n", text[: end + 1] + "\n}\n" if end >= 0 else "{}"]
 
 
 def _decode_numpy(obj):
