@@ -404,7 +404,7 @@ class Cockpit:
             "optimizer_name": getattr(self, "_optimizer_name", None),
             "learning_rates": dict(self._learning_rates),
             # Streaming: the log file and the steps already in it (the rows above are those not yet).
-            "streamed": None if self._stream is None else {"path": self._stream.path, "through": self._stream.last_step},
+            "streamed": None if self._stream is None else {"path": os.path.abspath(self._stream.path), "through": self._stream.last_step},
         }
 
     @property
@@ -466,6 +466,7 @@ class Cockpit:
                 "state holds FSDP2's shards of the parameters, this cockpit's parameters are not sharded: restore it "
                 "into a cockpit of the model sharded as it was (fully_shard)"
             )
+        earlier = _streamed_rows(state.get("streamed"))  # (before anything is restored: it may raise)
         for q, q_state in zip(self.quantities, state["quantity_states"]):
             q.load_state_dict(q_state, self.params)
         self.output = defaultdict(dict, restored_state(state["log"]))
@@ -480,7 +481,6 @@ class Cockpit:
         if state["optimizer_name"] is not None:
             self._optimizer_name = state["optimizer_name"]
         self._learning_rates = dict(state.get("learning_rates", {}))
-        earlier = _streamed_rows(state.get("streamed"))
         if self._stream is not None:  # the log file goes on from the checkpoint's step
             self._stream.rewrite(earlier)
             self._recent = {}

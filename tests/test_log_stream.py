@@ -144,8 +144,21 @@ def test_a_checkpoint_whose_log_file_is_gone_is_a_clear_error(tmp_path):
     cockpit, _, _ = _economy_run(str(tmp_path / "log"), steps=range(3))
     state = cockpit.state_dict()
     os.remove(tmp_path / "log.json")
+    refused = Cockpit(_model().parameters(), quantities=configuration("economy"))
     with pytest.raises(ValueError, match=r"steps up to 1 are in its log file .*log.json, which is gone"):
-        Cockpit(_model().parameters(), quantities=configuration("economy")).load_state_dict(state)
+        refused.load_state_dict(state)
+    assert not refused.get_output()  # nothing restored (before: the quantities and the rows were)
+
+
+def test_a_checkpoint_of_a_log_given_relative_is_resumed_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cockpit, _, _ = _economy_run("logs/run", steps=range(3))
+    state = cockpit.state_dict()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # (before: "... its log file logs/run.json, which is gone")
+    resumed = Cockpit(_model().parameters(), quantities=configuration("economy"))
+    resumed.load_state_dict(state)
+    assert sorted(resumed.get_output()) == [0, 1, 2]
 
 
 def test_a_log_cut_short_within_a_step_reads_its_whole_steps(tmp_path):
