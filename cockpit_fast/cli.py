@@ -167,8 +167,14 @@ def run_demo(args, parser):
 
 def run_plot(args, parser):
     """Draw the dashboard of ``args.log`` into ``args.output``, in the format its suffix names."""
+    if not os.path.isfile(args.log) and os.path.isfile(args.log + ".json"):
+        args.log += ".json"  # (the name Cockpit.write and logpath take, as the plotter reads it)
+    if os.path.isdir(args.log):
+        parser.error(f"{args.log} is a directory: name the log file in it (a .json file)")
     if not os.path.isfile(args.log):
         parser.error(f"no such log file: {args.log}")
+    if os.path.getsize(args.log) == 0:
+        parser.error(f"the log {args.log} is empty")
     output = args.output or os.path.splitext(args.log)[0] + ".png"
     image_format = os.path.splitext(output)[1].lstrip(".").lower() or "png"
     Figure = require("matplotlib.figure", "matplotlib", "plot", extra="plot").Figure

@@ -337,6 +337,25 @@ def test_plot_of_a_log_without_the_json_suffix(tmp_path):
     assert image_pixels(output) == DASHBOARD_PIXELS
 
 
+def test_plot_of_the_logpath_the_cockpit_was_given(tmp_path, capsys):
+    # (Cockpit(..., logpath="logs/run") writes logs/run.json; the plotter takes "logs/run". Before:
+    # "no such log file".)
+    log = tmp_path / "run.json"
+    log.write_text('{"0": {"Loss": 1.0}, "1": {"Loss": 0.5}}')
+    assert cli.main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run.png").is_file()
+
+
+@pytest.mark.parametrize("what, said", [("a folder", "is a directory"), ("an empty file", "is empty")])
+def test_plot_of_a_folder_or_an_empty_file_says_which(tmp_path, capsys, what, said):
+    log = tmp_path / "run.json"
+    log.mkdir() if what == "a folder" else log.write_text("")
+    with pytest.raises(SystemExit):
+        cli.main(["plot", str(log)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+
+
 @pytest.mark.parametrize(
     "content",
     ["{bad", "[1, 2]", '{"a": 1}', '{"0": {"GradHist1d": {"hist": 3, "edges": 2}}}'],
