@@ -502,3 +502,14 @@ def test_cuda_same_values_as_gradient_metrics(setup_name):
     theirs, ours = run_both(setup_name, "all_kinds", torch.float32, device="cuda")
     assert ours.is_cuda
     assert_matches(ours, theirs, torch.float32)
+
+
+@pytest.mark.parametrize("module_name", ["general", "metrics"])
+def test_every_public_name_of_the_original_s_modules_is_here(module_name):
+    # (gradient_metrics.general re-exports GradientMetric, which ours lacked.)
+    import importlib
+
+    theirs = importlib.import_module(f"gradient_metrics.{module_name}")
+    ours = importlib.import_module(f"cockpit_fast.gradient_metrics.{module_name}")
+    public = {name for name, value in vars(theirs).items() if not name.startswith("_") and getattr(value, "__module__", "").startswith("gradient_metrics")}
+    assert public and public <= set(dir(ours)), public - set(dir(ours))
