@@ -417,7 +417,7 @@ def _run(steps, epochs, batch_size, device, config, seed, out, track_every, comp
     if compare_steps > 0:
         original, original_name = original_training(copy.deepcopy(initial_model), config, track_every)
         if original is not None:
-            print(f"Timing {min(compare_steps, total_steps)} steps with {original_name} too, in turn with the others.")
+            print(f"Timing {_counted(min(compare_steps, total_steps), 'step')} with {original_name} too, in turn with the others.")
 
     loads = [load_average()]
     data = batches(train_images, train_labels, batch_size, epochs, total_steps, seed)
@@ -433,7 +433,7 @@ def _run(steps, epochs, batch_size, device, config, seed, out, track_every, comp
 
     runs = [("plain (no cockpit)", plain_seconds), (f"cockpit_fast ('{config}')", tracked_seconds)]
     if original is not None:
-        runs.append((f"{original_name} ('{config}', {len(original_seconds)} steps)", original_seconds))
+        runs.append((f"{original_name} ('{config}', {_counted(len(original_seconds), 'step')})", original_seconds))
     table = timing_table(runs, track_every)
     fast_ratio = table[1][2]
     note = f"Cockpit {COCKPIT_ORIGINAL}: {original_name}"
@@ -490,10 +490,10 @@ def print_summary(table, block_count, track_every, note, busy, valid_accuracy, o
     for row in cells:
         aligned = [f"{row[0]:<{widths[0]}}"] + [f"{cell:>{width}}" for cell, width in zip(row[1:4], widths[1:4])]
         print("  " + "  ".join(aligned + [row[4]]).rstrip())
-    unit = "steps" if track_every == 1 else f"blocks of {track_every} steps (one tracked)"
     warm_up = block_count > 1  # left out
     count = block_count - warm_up
-    print(f"  (medians and quartiles of {count} {unit}, run in turn{', the first left out' if warm_up else ''})")
+    unit = _counted(count, "step") if track_every == 1 else f"{_counted(count, 'block')} of {track_every} steps (one tracked)"
+    print(f"  (medians and quartiles of {unit}, run in turn{', the first left out' if warm_up else ''})")
     print(f"  {note}")
     if busy is not None:
         print(f"  {busy}")
@@ -509,3 +509,8 @@ def print_summary(table, block_count, track_every, note, busy, valid_accuracy, o
         outputs.append(("tensorboard", f"tensorboard --logdir {tensorboard_dir}  (the run '{run_name}')"))
     for label, where in outputs:
         print(f"  {label + ':':<12} {where}")
+
+
+def _counted(count, noun):
+    """``"1 step"``, ``"3 steps"``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
