@@ -733,7 +733,7 @@ class _TrackedBackward:
         """Let the engine plan the per-sample gradients of the backward pass to come; returns
         how that pass weighs each sample's loss."""
         cockpit, plan = self._cockpit, self._plan
-        calls = cockpit._engine.calls_of(losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None)
+        calls = cockpit._engine.calls_of(losses, loss)
         # The engine's own backward passes before the user's keep what BackPACK stored in
         # the forward pass (each backward pass frees it unless told to retain it), and are
         # none of the step's gradients.

@@ -114,9 +114,9 @@ class Engine:
         if losses is not None:
             batch_size = losses.shape[0] if batch_size is None else batch_size
         tracked = [p for p in self.params if p.requires_grad]
-        start = losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
+        start = _pass_start(losses, loss)
         root = None if start is None else start.grad_fn
-        calls = self.calls_of(start)
+        calls = self.calls_of(losses, loss)
         changed = [call for call in calls if call.changed_in_place()]
         if changed and losses is not None:
             # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
@@ -156,13 +156,14 @@ class Engine:
         step.streams = not step.check and not self.capture.unsharded.active and not any(call.changed for call in calls)
         return step
 
-    def calls_of(self, start):
-        """The module calls of the forward pass a backward pass from ``start`` (a loss or the
-        losses; None where unknown yet) runs through: the calls whose graph is alive, less those
-        of another forward pass whose graph the user keeps (a validation pass with gradients on,
-        its loss kept for logging), where their sizes show that another pass is alive (the graph
-        is read then only)."""
+    def calls_of(self, losses=None, loss=None):
+        """The module calls of the forward pass a backward pass runs through, from the samples'
+        ``losses`` or else the ``loss`` (neither: unknown yet): the calls whose graph is alive,
+        less those of another forward pass whose graph the user keeps (a validation pass with
+        gradients on, its loss kept for logging), where their sizes show that another pass is
+        alive (the graph is read then only)."""
         calls = self.capture.calls()
+        start = _pass_start(losses, loss)
         root = None if start is None else start.grad_fn
         if root is None or len({call.batch_size for call in calls if not call.shared}) <= 1:
             return calls
@@ -626,6 +627,12 @@ def _sums_of(forms):
 def _norm(tensor):
     """The 2-norm of ``tensor``, summed in float32 at least."""
     return torch.linalg.vector_norm(tensor, dtype=torch.promote_types(tensor.dtype, torch.float32))
+
+
+def _pass_start(losses, loss):
+    """Where a backward pass starts as the engine reads it: the samples' losses, else the loss
+    (a tensor), else None."""
+    return losses if losses is not None else loss if isinstance(loss, torch.Tensor) else None
 
 
 def _sample_losses(losses):
