@@ -78,6 +78,14 @@ def os_error_reason(error, with_file=False):
     return f"{reason}: {error.filename}" if with_file and error.filename is not None else reason
 
 
+def _file_on_the_way(path):
+    """The nearest folder of ``path`` that is a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder and not os.path.isfile(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def default_run_folder():
     """``runs/demo-<timestamp>``, so that runs do not overwrite each other."""
     from datetime import datetime
@@ -186,6 +194,8 @@ def run_plot(args, parser):
         parser.error(f"cannot save a dashboard as .{image_format}: use one of {sorted(formats)}")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    except FileExistsError:  # (a file where a folder of the path should be)
+        parser.error(f"cannot write {output}: {_file_on_the_way(output)} is a file, not a folder")
     except OSError as error:
         parser.error(f"cannot write {output}: {os_error_reason(error)}")
     plotter = CockpitPlotter()

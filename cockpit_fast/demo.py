@@ -399,8 +399,10 @@ def _run(steps, epochs, batch_size, device, config, seed, out, track_every, comp
         raise UsageError("--batch-size must be at least 2: the gradient tests estimate variances over the samples")
     try:
         os.makedirs(out, exist_ok=True)
+    except FileExistsError:  # (a file of that name, or on the way to it)
+        raise UsageError(f"cannot write the run folder {out}: a file is there, or on the way to it") from None
     except OSError as error:
-        raise UsageError(f"cannot write the run folder {out}: {error}") from None
+        raise UsageError(f"cannot write the run folder {out}: {error.strerror or error}") from None
     total_steps = step_count(len(train_labels), batch_size, epochs, steps)
     print(
         f"Digits: {len(train_labels)} training / {len(valid_set[1])} validation images, "

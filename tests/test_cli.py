@@ -358,8 +358,8 @@ def test_plot_of_a_folder_or_an_empty_file_says_which(tmp_path, capsys, what, sa
 
 @pytest.mark.parametrize(
     "content",
-    ["{bad", "[1, 2]", '{"a": 1}', '{"0": {"GradHist1d": {"hist": 3, "edges": 2}}}'],
-    ids=["not json", "a list", "not per step", "a histogram of numbers"],
+    ["{bad", "[1, 2]", '{"a": 1}', '{"x": {"Loss": 1.0}}', '{"0": {"GradHist1d": {"hist": 3, "edges": 2}}}'],
+    ids=["not json", "a list", "not per step", "no step number", "a histogram of numbers"],
 )
 def test_plot_of_a_bad_log_is_a_one_line_error(tmp_path, capsys, content):
     log = tmp_path / "bad.json"
@@ -386,6 +386,8 @@ def test_plot_to_a_path_that_cannot_be_written_is_a_one_line_error(tmp_path, cap
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"cockpit-fast: error: cannot write {output}: "), err
+    if where == "under a file":  # (before: "File exists")
+        assert err[0].endswith(f"{tmp_path / 'file'} is a file, not a folder"), err
 
 
 def test_a_file_system_error_is_one_line(tmp_path, capsys):
@@ -399,6 +401,15 @@ def test_a_file_system_error_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"cockpit-fast: error: Not a directory: {out / 'tensorboard' / 'run'}"]
+
+
+def test_a_demo_run_folder_where_a_file_is_is_one_line_without_errno(tmp_path, capsys):
+    (tmp_path / "run").write_text("")  # (before: "[Errno 17] File exists: '...'")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--steps", "2", "--compare-steps", "0", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cockpit-fast: error: cannot write the run folder {tmp_path / 'run'}: a file is there, or on the way to it"]
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["plot"], ["bench"], ["info"]], ids=lambda c: " ".join(c) or "top")

@@ -90,6 +90,11 @@ class TrackingLog:
             records = {}
             for name, per_step in output.items():
                 for step, value in per_step.items():
+                    if _step_number(step) is None:
+                        raise ValueError(
+                            f"a cockpit log is {{step: {{quantity: value}}}} (or {{quantity: {{step: value}}}}): "
+                            f"neither {name!r} nor {step!r} is a step number"
+                        )
                     records.setdefault(_step_number(step), {})[name] = value
         self._records = dict(sorted(records.items()))
 
