@@ -393,6 +393,7 @@ class Cockpit:
             "quantities": names,
             "param_shapes": [list(p.shape) for p in self.params],
             "quantity_states": [q.state_dict() for q in self.quantities],
+            "settings": [q.settings() for q in self.quantities],
             "process": self._process(),
             # What log() recorded; the quantities' values are in their own states.
             "log": plain_state(
@@ -426,8 +427,8 @@ class Cockpit:
 
         Raises:
             ValueError: If ``state`` is not a cockpit state dict of this version, or holds other
-                quantities or parameter shapes, or values of another process's own (nothing is
-                restored then).
+                quantities, quantities made otherwise (a histogram's bins and range) or parameter
+                shapes, or values of another process's own (nothing is restored then).
         """
         from cockpit_fast.quantities.quantity import READ_VERSIONS, STATE_VERSION, holds_this_process, restored_state
 
@@ -446,6 +447,12 @@ class Cockpit:
                 f"state holds the quantities {state['quantities']}, this cockpit tracks {names} "
                 "(restore into one made with the same quantities, in the same order)"
             )
+        for q, saved in zip(self.quantities, state.get("settings", [{}] * len(names))):  # (older states: none)
+            if saved and saved != q.settings():
+                raise ValueError(
+                    f"state holds a {type(q).__name__} made with {saved}, this cockpit's has {q.settings()} (restore into "
+                    "a cockpit made as the saved one was)"
+                )
         shapes = [list(p.shape) for p in self.params]
         if len(state["param_shapes"]) != len(shapes):
             raise ValueError(f"state holds {len(state['param_shapes'])} parameters, this cockpit tracks {len(shapes)}")

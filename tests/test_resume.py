@@ -309,3 +309,24 @@ def test_a_two_step_quantity_with_values_cached_for_a_later_step_says_so():
     train(run, batches(torch.float64), range(1))
     with pytest.raises(RuntimeError, match=r"UpdateNorm holds values cached at steps \[0\]"):
         run[2].state_dict()
+
+
+@pytest.mark.parametrize("made_otherwise", [
+    lambda every: GradHist1d(every, bins=10),
+    lambda every: GradHist1d(every, range=(-5, 5)),
+    lambda every: GradHist2d(every, bins=(40, 20)),
+], ids=["1d bins", "1d range", "2d bins"])
+def test_a_state_restored_into_a_histogram_made_otherwise_is_refused(tmp_path, made_otherwise):
+    # Before: accepted, the new bins over the saved range (10 bins over (-2, 2)), and nothing said.
+    every = schedules.linear(1)
+    model = nn.Sequential(nn.Linear(4, 3))
+    saved = Cockpit(model.parameters(), quantities=[GradHist1d(every), GradHist2d(every)])
+    torch.save(saved.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    Cockpit(model.parameters(), quantities=[GradHist1d(every), GradHist2d(every)]).load_state_dict(state)  # made alike
+    quantities = [GradHist1d(every), GradHist2d(every)]
+    index = 0 if isinstance(made_otherwise(every), GradHist1d) else 1
+    quantities[index] = made_otherwise(every)
+    refused = Cockpit(model.parameters(), quantities=quantities)
+    with pytest.raises(ValueError, match=r"state holds a GradHist[12]d made with .*this cockpit's has"):
+        refused.load_state_dict(state)

@@ -140,6 +140,11 @@ class FastQuantity:
         for step in steps:
             self._output.pop(step, None)
 
+    def settings(self):
+        """What it was made with that a state restored into it must have been saved with (a
+        histogram's bins and range as given): plain types; {} for none."""
+        return {}
+
     def state_dict(self):
         """What this quantity carries from step to step, in plain types and CPU tensors
         (:func:`plain_state`): here the output recorded so far. Values waiting on the device are
