@@ -68,7 +68,10 @@ class Alpha(FastQuantity):
         step = ctx.global_step
         wanted = set()
         start = self._starts.get(step - self.SAVE_SHIFT) if self.is_end(step) else None
-        if start is not None and start.observation is not None:
+        # Its optimizer has stepped by now: where SGD stepped otherwise, it gets no value (nothing
+        # to project) and a start made at this step keeps the parameters.
+        self._sgd_gradient_changed |= start is not None and start.gradient_changed
+        if start is not None and start.observation is not None and not start.gradient_changed:
             wanted.add(Projection(self, "end", start.direction, reads_param=start.params is not None))
             if not start.sgd:  # the start's kept individual gradients, on the update now known
                 wanted.add(self._kept_projection(start))
@@ -87,8 +90,6 @@ class Alpha(FastQuantity):
         if not ctx.has_info("optimizer"):
             warnings.warn("No 'optimizer' handed in via info: Alpha keeps parameters and individual gradients")
             return None
-        previous = self._starts.get(ctx.global_step - self.SAVE_SHIFT)  # (its optimizer has stepped by now)
-        self._sgd_gradient_changed |= previous is not None and previous.gradient_changed
         if self._sgd_gradient_changed:
             return None
         optimizer = ctx.info("optimizer", self)
@@ -103,7 +104,6 @@ class Alpha(FastQuantity):
             if start is not None:
                 start.stop_watching()
             if start is not None and start.gradient_changed:
-                self._sgd_gradient_changed = True  # (where the next tracked start is not this step's)
                 warnings.warn(
                     f"[Step {step - self.SAVE_SHIFT}] Alpha: SGD stepped with another gradient than the step's (changed "
                     "after the `with` block: clipped, say), so its update is not -lr times the step's gradient: "
