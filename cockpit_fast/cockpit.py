@@ -767,7 +767,7 @@ class _TrackedBackward:
                 weight = 1.0 / losses.numel() if isinstance(losses, torch.Tensor) and losses.numel() else 1.0
                 size = plan.given_batch_size()
             try:
-                self._pass = cockpit._engine.begin(losses, weight, size, loss)
+                self._pass = cockpit._engine.begin(losses, weight, size, loss, calls)
             except RuntimeError as error:
                 if micro and "backward through the graph a second time" in str(error):
                     raise ValueError(f"micro_batch() came after its micro-batch's backward pass (its graph is freed): {_MICRO_BATCH_ORDER}") from error

@@ -90,7 +90,7 @@ class Engine:
         self._resumed = self._resumed or (on and not self.capture.watching)
         self.capture.watch(on)
 
-    def begin(self, losses, scale, batch_size=None, loss=None):
+    def begin(self, losses, scale, batch_size=None, loss=None, calls=None):
         """Before the backward pass whose per-sample gradients are wanted: checks the calls not
         checked before and forms what takes the whole graph, while the graph is whole.
 
@@ -102,21 +102,23 @@ class Engine:
             batch_size (int, optional): N as the caller knows it; by default the losses'.
             loss (torch.Tensor, optional): Where the backward pass starts, checked for what no
                 per-sample route sees into (where there are no ``losses`` to check).
+            calls (list, optional): :meth:`calls_of` the losses and loss, where the caller has
+                read them already (the graph is not read again).
 
         Returns:
             _Pass: to hand to :meth:`end` after the backward pass.
         """
         with outside_autocast(self.params):
-            return self._begin(losses, scale, batch_size, loss)
+            return self._begin(losses, scale, batch_size, loss, calls)
 
-    def _begin(self, losses, scale, batch_size, loss):
+    def _begin(self, losses, scale, batch_size, loss, calls):
         losses = _sample_losses(losses)
         if losses is not None:
             batch_size = losses.shape[0] if batch_size is None else batch_size
         tracked = [p for p in self.params if p.requires_grad]
         start = _pass_start(losses, loss)
         root = None if start is None else start.grad_fn
-        calls = self.calls_of(losses, loss)
+        calls = self.calls_of(losses, loss) if calls is None else calls
         changed = [call for call in calls if call.changed_in_place()]
         if changed and losses is not None:
             # Calls of an earlier forward pass whose graph the user keeps (a loss summed without
