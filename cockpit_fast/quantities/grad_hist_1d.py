@@ -26,7 +26,7 @@ class GradHist1d(FastQuantity):
         super().__init__(track_schedule, verbose=verbose)
         self._bins = bins
         self._range = tuple(range)
-        self._given = (int(bins), [float(end) for end in range])  # (a state is restored into one made alike)
+        self._made_with = {"bins": int(bins), "range": [float(end) for end in range]}  # (settings())
         self._adapt = NoAdaptation(verbose=verbose) if adapt is None else adapt
 
     def _histogram(self):
@@ -47,9 +47,6 @@ class GradHist1d(FastQuantity):
         super().track(ctx)
         if self._adapt.should_compute(ctx.global_step):
             self._range = tuple(self._adapt.new_range(ctx, self._range, self._bins))
-
-    def settings(self):
-        return {"bins": self._given[0], "range": self._given[1]}
 
     def state_dict(self):  # the range where bin adaptation left it
         return {**super().state_dict(), "range": plain_state(self._range)}

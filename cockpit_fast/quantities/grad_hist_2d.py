@@ -38,7 +38,7 @@ class GradHist2d(FastQuantity):
         super().__init__(track_schedule, verbose=verbose)
         self._bins = tuple(bins)
         self._range = [tuple(axis) for axis in range]
-        self._given = ([int(b) for b in bins], [[float(end) for end in axis] for axis in range])  # (see settings())
+        self._made_with = {"bins": [int(b) for b in bins], "range": [[float(end) for end in axis] for axis in range]}
         self._adapt = [NoAdaptation(verbose=verbose) if a is None else a for a in adapt]
         self._keep_individual = keep_individual
 
@@ -63,9 +63,6 @@ class GradHist2d(FastQuantity):
         for axis, adapt in enumerate(self._adapt):
             if adapt.should_compute(ctx.global_step):
                 self._range[axis] = tuple(adapt.new_range(ctx, self._range[axis], self._bins[axis]))
-
-    def settings(self):
-        return {"bins": self._given[0], "range": self._given[1]}
 
     def state_dict(self):  # the ranges where bin adaptation left them
         return {**super().state_dict(), "range": plain_state(self._range)}

@@ -140,10 +140,12 @@ class FastQuantity:
         for step in steps:
             self._output.pop(step, None)
 
+    _made_with = {}  # a subclass's: what settings() returns
+
     def settings(self):
         """What it was made with that a state restored into it must have been saved with (a
         histogram's bins and range as given): plain types; {} for none."""
-        return {}
+        return dict(self._made_with)
 
     def state_dict(self):
         """What this quantity carries from step to step, in plain types and CPU tensors
