@@ -17,7 +17,7 @@ from torch.amp.grad_scaler import OptState
 
 from cockpit_fast.statistics import ROUTES, WRAPPED_LATER, StepContext, StepPlan, StepStatistics, unreached, zero_grad
 from cockpit_fast._validation import check_info
-from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, reduce_step, resolve_group
+from cockpit_fast.distributed import GradientCapture, agreed_by_ranks, is_writer, meet, reduce_step, resolve_group
 from cockpit_fast.fsdp import Unsharded, refuse_fsdp1
 from cockpit_fast.log_stream import LogStream, read_log, write_log
 from cockpit_fast.loggers import parameter_names
@@ -126,6 +126,7 @@ class Cockpit:
         self._said_unreached = False  # a step whose backward passes did not reach some tracked parameters
         self._last_step = None  # the step last tracked or not: whether steps come one after another
         self._learning_rates = {}  # step -> info['optimizer']'s learning rate
+        self._met = False  # whether the processes' cockpits met before their first exchange
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -845,6 +846,9 @@ class _TrackedBackward:
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
         try:
+            if exc_type is None and self._plan.group is not None and not cockpit._met:
+                meet(self._plan.group, self._plan.global_step)  # before any collective of the step
+                cockpit._met = True
             if exc_type is None and (self._pass is not None or self._grads is not None or self._micro):
                 self._end_pass(last=True)
         except BaseException:

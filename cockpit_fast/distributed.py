@@ -32,7 +32,9 @@ the global mean when batch sizes differ). A step that reduces therefore communic
 gradient-sized buffer than DistributedDataParallel does (see ``benchmarks/bench_distributed.py``).
 """
 
+import datetime
 import zlib
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,46 @@ _NOT_THE_SAME = (
     "the processes track different quantities or parameters at this step, or different steps: "
     "every rank must track the same, with the same global_step"
 )
+
+
+FIRST_MEETING_SECONDS = 300.0
+"""How long a cockpit waits, at its first step that exchanges anything, for the cockpits of the
+other processes of its group (:func:`meet`); then a ``RuntimeError`` says which did not come."""
+
+_meetings = Counter()  # global ranks of a group -> the cockpits of this process that met it
+
+
+def meet(group, global_step):
+    """Waits until every process of ``group`` has come here once: a cockpit's first step that
+    exchanges anything, before its first collective.
+
+    The processes meet through the group's store, not a collective: a process that never comes
+    (its cockpit never made, or its ``with cockpit(...)`` skipped at this step) leaves no
+    collective pending, and this process is told which within :data:`FIRST_MEETING_SECONDS`,
+    not by the collective's timeout (gloo's 30 minutes) with a transport error. The k-th call
+    of a process meets the k-th call of every other one.
+
+    Raises:
+        RuntimeError: If some process of ``group`` has not come within the time.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    _meetings[tuple(ranks)] += 1
+    key = f"cockpit_fast/meeting/{'-'.join(map(str, ranks))}/{_meetings[tuple(ranks)]}"
+    store = dist.distributed_c10d._get_default_store()  # (the world's, which every group's processes share)
+    store.set(f"{key}/{dist.get_rank()}", "")
+    if store.add(key, 1) == len(ranks):
+        store.set(f"{key}/all", "")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=FIRST_MEETING_SECONDS))
+    except RuntimeError:  # (DistStoreError is one)
+        missing = [rank for rank in ranks if not store.check([f"{key}/{rank}"])]
+        raise RuntimeError(
+            f"[Step {global_step}] the cockpit waited {FIRST_MEETING_SECONDS:g} s for the cockpits of processes "
+            f"{missing} (global ranks) at its first step that exchanges statistics, and they did not come: under "
+            "torch.distributed every process of the group makes the cockpit and enters `with cockpit(global_step, ...)` "
+            "at the same steps (not rank 0 alone: the log is written by rank 0 only anyway). The wait is "
+            "cockpit_fast.distributed.FIRST_MEETING_SECONDS"
+        ) from None
 
 
 def resolve_group(process_group):

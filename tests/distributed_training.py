@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from backpack import extend
 
+import cockpit_fast.distributed
 from cockpit_fast import quantities as q
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.utils import schedules
@@ -117,7 +118,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
     first samples take the "branch" model's branch), max_kept_bytes (the cockpit's),
     restored_after (a new cockpit goes on from that step, restored from the state of this rank,
-    or of rank 0 with rank0_state). Logs and plots go to ``out``, a folder of this rank's own.
+    or of rank 0 with rank0_state), cockpit_on_rank0_only (the others train untracked). Logs and plots go to ``out``, a folder of this rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
     distributed = len(rank_sizes) > 1
@@ -148,7 +149,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
         max_kept_bytes=config.get("max_kept_bytes"),
         logpath=str(Path(out) / "streamed") if config.get("stream") and out is not None else None,
     )
-    cockpit = make_cockpit()
+    cockpit = make_cockpit() if not (config.get("cockpit_on_rank0_only") and rank > 0) else None
 
     def all_reduce_gradients():  # the global batch's mean gradient, each rank weighted by N_r / N
         for p in params:
@@ -248,6 +249,7 @@ def _rank_main(rank, rank_sizes, config, workdir):
         world_size=len(rank_sizes),
         timeout=COLLECTIVE_TIMEOUT,
     )
+    cockpit_fast.distributed.FIRST_MEETING_SECONDS = config.get("first_meeting_seconds", COLLECTIVE_TIMEOUT.total_seconds())
     try:
         if config.get("job") == "collect":
             result = collect_rows(rank, rank_sizes)

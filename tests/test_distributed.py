@@ -179,6 +179,20 @@ def test_a_rank_that_raises_fails_the_group_fast(tmp_path):
     assert "rank 1 fails on purpose" in (tmp_path / "error1.txt").read_text()
 
 
+@pytest.mark.parametrize("sync", ["ddp", "manual"])
+def test_a_cockpit_on_rank_0_alone_is_told_which_processes_did_not_come(sync, tmp_path):
+    # The others train on, untracked: before, rank 0's first exchange met their next step's
+    # collectives and both waited out the group's timeout ("Timed out waiting 60000ms for recv").
+    config = {"model": "mlp", "quantities": "every", "steps": 3, "sync": sync, "cockpit_on_rank0_only": True,
+              "first_meeting_seconds": 5}
+    started = time.monotonic()
+    with pytest.raises(ProcessException):
+        run_group([2, 2], config, tmp_path)
+    assert time.monotonic() - started < 40  # not the 60 s collective timeout
+    told = (tmp_path / "error0.txt").read_text()
+    assert "waited 5 s for the cockpits of processes [1] (global ranks)" in told and "every process" in told
+
+
 def test_ranks_tracking_different_quantities_are_told(tmp_path):
     config = {"model": "mlp", "quantities": "every", "steps": 1, "quantities_on_rank1": "alpha_adam"}
     with pytest.raises(Exception, match="every rank must track the same"):
