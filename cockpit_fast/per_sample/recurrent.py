@@ -250,8 +250,6 @@ class _GRUCell(_Cell):
         torch.mul(1 - z, 1 - n * n, out=d_n)
         torch.addcmul(r, r, r, value=-1, out=d_r).mul_(hidden_n).mul_(d_n)
         torch.addcmul(z, z, z, value=-1, out=d_z).mul_(self.previous - n)
-        hidden_coefficients = gate_coefficients.clone()
-        hidden_coefficients[:, :, 2].mul_(r)
         self.gate_grads = torch.empty_like(self.hidden)
         self.hidden_grads = torch.empty_like(self.hidden)
         gates, hidden = self.gate_grads.view(steps, samples, 3, size), self.hidden_grads.view(steps, samples, 3, size)
@@ -260,7 +258,9 @@ class _GRUCell(_Cell):
             dh = dh if output_grad is None else dh + output_grad[t]
             into, carried = self._split(t, dh)
             torch.mul(into.unsqueeze(1), gate_coefficients[t], out=gates[t])
-            torch.mul(into.unsqueeze(1), hidden_coefficients[t], out=hidden[t])
+            # The hidden gates' are the gates' but n's, which r scales: no coefficients of their own.
+            hidden[t, :, :2].copy_(gates[t, :, :2])
+            torch.mul(gates[t, :, 2], r[t], out=hidden[t, :, 2])
             direct = into * z[t] if carried is None else torch.addcmul(carried, into, z[t])
             dh = torch.addmm(direct, self.hidden_grads[t], self.w_hh)
 
