@@ -216,20 +216,20 @@ class _GRUCell(_Cell):
         if known is not None:
             outputs = self._known(known, initial)
             self.previous = self._previous(outputs, initial)
-            self.hidden = F.linear(self.previous, self.w_hh, self.b_hh)  # W_hh h + b_hh of each step
-            self._gates(inputs, self.hidden, self.reset_update, self.candidate)
-            return outputs
-        self.hidden = torch.empty_like(inputs)
-        outputs = torch.empty_like(self.candidate)
-        for t in self.order:
-            hidden = self.hidden[t]
-            if self.b_hh is None:
-                torch.mm(h, self.w_hh.T, out=hidden)
-            else:
-                torch.addmm(self.b_hh, h, self.w_hh.T, out=hidden)
-            r_z, n = self._gates(inputs[t], hidden, self.reset_update[t], self.candidate[t])
-            h = outputs[t] = self._held(t, torch.addcmul(n, r_z[:, size:], h - n), h)
-        self.previous = self._previous(outputs, initial)
+            hidden = F.linear(self.previous, self.w_hh, self.b_hh)  # W_hh h + b_hh of each step
+            self._gates(inputs, hidden, self.reset_update, self.candidate)
+        else:
+            hidden = torch.empty_like(inputs)
+            outputs = torch.empty_like(self.candidate)
+            for t in self.order:
+                if self.b_hh is None:
+                    torch.mm(h, self.w_hh.T, out=hidden[t])
+                else:
+                    torch.addmm(self.b_hh, h, self.w_hh.T, out=hidden[t])
+                r_z, n = self._gates(inputs[t], hidden[t], self.reset_update[t], self.candidate[t])
+                h = outputs[t] = self._held(t, torch.addcmul(n, r_z[:, size:], h - n), h)
+            self.previous = self._previous(outputs, initial)
+        self.hidden_n = hidden[..., 2 * size :].clone()  # all the backward pass reads of W_hh h + b_hh
         return outputs
 
     @staticmethod
@@ -242,23 +242,25 @@ class _GRUCell(_Cell):
 
     def backward(self, output_grad, h_grad, c_grad):
         r, z = self.reset_update.chunk(2, 2)
-        n, hidden_n = self.candidate, self.hidden[..., 2 * r.shape[2] :]
+        n = self.candidate
         steps, samples, size = n.shape
-        # d(pre-activations of r, z, n) / d h_t; s (1 - s) as s - s s, in place where it can be
-        gate_coefficients = torch.empty_like(self.hidden).view(steps, samples, 3, size)
-        d_r, d_z, d_n = gate_coefficients.unbind(2)
-        torch.mul(1 - z, 1 - n * n, out=d_n)
-        torch.addcmul(r, r, r, value=-1, out=d_r).mul_(hidden_n).mul_(d_n)
-        torch.addcmul(z, z, z, value=-1, out=d_z).mul_(self.previous - n)
-        self.gate_grads = torch.empty_like(self.hidden)
-        self.hidden_grads = torch.empty_like(self.hidden)
-        gates, hidden = self.gate_grads.view(steps, samples, 3, size), self.hidden_grads.view(steps, samples, 3, size)
+        # The gates' gradients: first d(pre-activations of r, z, n) / d h_t (s (1 - s) as
+        # s - s s, in place: no temporaries), then each step's times the gradient into h_t.
+        self.gate_grads = n.new_empty(steps, samples, 3 * size)
+        gates = self.gate_grads.view(steps, samples, 3, size)
+        d_r, d_z, d_n = gates.unbind(2)
+        torch.mul(n, n, out=d_n).neg_().add_(1).addcmul_(d_n, z, value=-1)  # (1 - n n) (1 - z)
+        torch.addcmul(r, r, r, value=-1, out=d_r).mul_(self.hidden_n).mul_(d_n)
+        torch.sub(self.previous, n, out=d_z).mul_(z).addcmul_(d_z, z, value=-1)  # (h - n) (z - z z)
         dh = torch.zeros_like(n[0]) if h_grad is None else h_grad
+        del n, self.candidate, self.hidden_n  # read no more: not held through the loop's allocations
+        self.hidden_grads = torch.empty_like(self.gate_grads)
+        hidden = self.hidden_grads.view(steps, samples, 3, size)
         for t in reversed(self.order):
             dh = dh if output_grad is None else dh + output_grad[t]
             into, carried = self._split(t, dh)
-            torch.mul(into.unsqueeze(1), gate_coefficients[t], out=gates[t])
-            # The hidden gates' are the gates' but n's, which r scales: no coefficients of their own.
+            gates[t].mul_(into.unsqueeze(1))
+            # The hidden gates' are the gates' but n's, which r scales.
             hidden[t, :, :2].copy_(gates[t, :, :2])
             torch.mul(gates[t, :, 2], r[t], out=hidden[t, :, 2])
             direct = into * z[t] if carried is None else torch.addcmul(carried, into, z[t])
