@@ -4,6 +4,7 @@ import contextlib
 import os
 import warnings
 import weakref
+import zlib
 from collections import Counter, defaultdict
 from typing import NamedTuple, Optional
 
@@ -147,6 +148,11 @@ class Cockpit:
         tracked parameter's per-sample gradients (a module's rule, a replay of its call, or the
         whole graph), to see why a step is slow. Names are those in the model last called."""
         return {} if self._engine is None else self._engine.routes()
+
+    def _signature(self):
+        """What the cockpit tracks, as a number alike on every process that tracks the same."""
+        tracked = [type(q).__name__ for q in self.quantities], [tuple(p.shape) for p in self.params]
+        return zlib.crc32(repr(tracked).encode())
 
     def _named(self, indices):
         """The tracked parameters ``indices``, by name where the engine saw the model."""
@@ -623,6 +629,10 @@ class _TrackedBackward:
     def __enter__(self):
         cockpit, plan = self._cockpit, self._plan
         refuse_fsdp1(cockpit.params)  # (wrapped after the cockpit was made)
+        if not cockpit._met and (plan.group is not None or (cockpit.process_group is not None and cockpit._unsharded.active)):
+            # Before any collective: the step's, or FSDP2's engine passes and sums of shards.
+            meet(cockpit.process_group, cockpit._signature(), plan.global_step)
+            cockpit._met = True
         if cockpit._unsharded.active and self._extensions:
             raise ValueError(
                 f"{_needing(self._extensions, self._requested_by)} BackPACK's extensions, which do not run on parameters "
@@ -846,9 +856,6 @@ class _TrackedBackward:
         for context in reversed(self._contexts):
             context.__exit__(exc_type, exc, traceback)
         try:
-            if exc_type is None and self._plan.group is not None and not cockpit._met:
-                meet(self._plan.group, self._plan.global_step)  # before any collective of the step
-                cockpit._met = True
             if exc_type is None and (self._pass is not None or self._grads is not None or self._micro):
                 self._end_pass(last=True)
         except BaseException:

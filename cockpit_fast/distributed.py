@@ -33,6 +33,8 @@ gradient-sized buffer than DistributedDataParallel does (see ``benchmarks/bench_
 """
 
 import datetime
+import os
+import warnings
 import zlib
 from collections import Counter
 
@@ -48,43 +50,70 @@ _NOT_THE_SAME = (
 
 
 FIRST_MEETING_SECONDS = 300.0
-"""How long a cockpit waits, at its first step that exchanges anything, for the cockpits of the
-other processes of its group (:func:`meet`); then a ``RuntimeError`` says which did not come."""
+"""After how long a cockpit waiting for the cockpits of the other processes before its first
+exchange (:func:`meet`) warns which have not come; it waits on up to the process group's timeout."""
 
-_meetings = Counter()  # global ranks of a group -> the cockpits of this process that met it
+_meetings = Counter()  # group's global ranks -> this process's meetings with that group so far
 
 
-def meet(group, global_step):
-    """Waits until every process of ``group`` has come here once: a cockpit's first step that
-    exchanges anything, before its first collective.
+def meet(group, signature, global_step):
+    """Waits until every process of ``group`` has come here as often as this one: before a
+    cockpit's first exchange (the k-th call of a process meets the k-th call of every other).
 
-    The processes meet through the group's store, not a collective: a process that never comes
-    (its cockpit never made, or its ``with cockpit(...)`` skipped at this step) leaves no
-    collective pending, and this process is told which within :data:`FIRST_MEETING_SECONDS`,
-    not by the collective's timeout (gloo's 30 minutes) with a transport error. The k-th call
-    of a process meets the k-th call of every other one.
+    The processes meet through the default process group's store, not a collective: a process
+    that never comes (its cockpit never made, or its ``with cockpit(...)`` skipped) leaves no
+    collective pending, and this process says which: a warning after
+    :data:`FIRST_MEETING_SECONDS` (a process may only be late), an error at the group's
+    timeout (gloo's default: 30 minutes), where a collective would have failed with a
+    transport error.
 
     Raises:
-        RuntimeError: If some process of ``group`` has not come within the time.
+        RuntimeError: If some process has not come within the group's timeout.
+        ValueError: On every process, if their cockpits' ``signature`` (what each tracks)
+            differs.
     """
     ranks = dist.get_process_group_ranks(group)
     _meetings[tuple(ranks)] += 1
-    key = f"cockpit_fast/meeting/{'-'.join(map(str, ranks))}/{_meetings[tuple(ranks)]}"
-    store = dist.distributed_c10d._get_default_store()  # (the world's, which every group's processes share)
-    store.set(f"{key}/{dist.get_rank()}", "")
+    # (The elastic agent's store keeps its keys when it restarts the processes: each attempt its own.)
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+    key = f"cockpit_fast/meeting/{attempt}/{'-'.join(map(str, ranks))}/{_meetings[tuple(ranks)]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", str(signature))
     if store.add(key, 1) == len(ranks):
         store.set(f"{key}/all", "")
+    limit = _timeout(group)
+    said = min(datetime.timedelta(seconds=FIRST_MEETING_SECONDS), limit)
+
+    def missing(waited):
+        late = [rank for rank in ranks if not store.check([f"{key}/{rank}"])]
+        return (
+            f"[Step {global_step}] the cockpit has waited {waited.total_seconds():g} s before its first exchange for the "
+            f"cockpits of processes {late} (global ranks), which have not come: under torch.distributed every process "
+            "of the group makes the cockpit and enters `with cockpit(global_step, ...)` at the same steps (not rank 0 "
+            "alone: the log is written by rank 0 only anyway)"
+        )
+
     try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=FIRST_MEETING_SECONDS))
+        store.wait([f"{key}/all"], said)
     except RuntimeError:  # (DistStoreError is one)
-        missing = [rank for rank in ranks if not store.check([f"{key}/{rank}"])]
-        raise RuntimeError(
-            f"[Step {global_step}] the cockpit waited {FIRST_MEETING_SECONDS:g} s for the cockpits of processes "
-            f"{missing} (global ranks) at its first step that exchanges statistics, and they did not come: under "
-            "torch.distributed every process of the group makes the cockpit and enters `with cockpit(global_step, ...)` "
-            "at the same steps (not rank 0 alone: the log is written by rank 0 only anyway). The wait is "
-            "cockpit_fast.distributed.FIRST_MEETING_SECONDS"
-        ) from None
+        if said == limit:
+            raise RuntimeError(missing(limit)) from None
+        warnings.warn(f"{missing(said)}; waiting on up to the group's timeout", RuntimeWarning, stacklevel=4)
+        try:
+            store.wait([f"{key}/all"], limit - said)
+        except RuntimeError:
+            raise RuntimeError(missing(limit)) from None
+    if len({store.get(f"{key}/{rank}") for rank in ranks}) != 1:
+        raise ValueError(_NOT_THE_SAME)
+
+
+def _timeout(group):
+    """The timeout of ``group``'s collectives (as ``init_process_group`` or ``new_group`` set it)."""
+    for device in group._device_types:
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return dist.default_pg_timeout
 
 
 def resolve_group(process_group):

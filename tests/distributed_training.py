@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -118,7 +119,10 @@ def train(config, rank=0, rank_sizes=None, out=None):
     log_all_ranks, plot (save the dashboard too), branch_samples (how many of the global batch's
     first samples take the "branch" model's branch), max_kept_bytes (the cockpit's),
     restored_after (a new cockpit goes on from that step, restored from the state of this rank,
-    or of rank 0 with rank0_state), cockpit_on_rank0_only (the others train untracked). Logs and plots go to ``out``, a folder of this rank's own.
+    or of rank 0 with rank0_state), cockpit_on_rank0_only (the others train untracked),
+    late_rank1_seconds (rank 1 sleeps that long before its first step); run_group's processes
+    also take first_meeting_seconds (the cockpit's FIRST_MEETING_SECONDS) and
+    collective_timeout_on_rank0 (rank 0's process group timeout). Logs and plots go to ``out``, a folder of this rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
     distributed = len(rank_sizes) > 1
@@ -162,6 +166,8 @@ def train(config, rank=0, rank_sizes=None, out=None):
     for step in range(config["steps"]):
         if config.get("fail_on_rank") == rank and step == 1:
             raise RuntimeError(f"rank {rank} fails on purpose")
+        if step == 0 and rank == 1:
+            time.sleep(config.get("late_rank1_seconds", 0))
         inputs = torch.randn(global_n, *input_shape, generator=data)
         if "branch_samples" in config:  # the first ones take the "branch" model's branch, the rest not
             inputs[:, 0] = inputs[:, 0].abs() * torch.where(torch.arange(global_n) < config["branch_samples"], 1.0, -1.0)
@@ -247,9 +253,9 @@ def _rank_main(rank, rank_sizes, config, workdir):
         init_method=f"file://{workdir}/store",
         rank=rank,
         world_size=len(rank_sizes),
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=datetime.timedelta(seconds=config.get("collective_timeout_on_rank0", 60)) if rank == 0 else COLLECTIVE_TIMEOUT,
     )
-    cockpit_fast.distributed.FIRST_MEETING_SECONDS = config.get("first_meeting_seconds", COLLECTIVE_TIMEOUT.total_seconds())
+    cockpit_fast.distributed.FIRST_MEETING_SECONDS = config.get("first_meeting_seconds", 300)
     try:
         if config.get("job") == "collect":
             result = collect_rows(rank, rank_sizes)
@@ -263,9 +269,10 @@ def _rank_main(rank, rank_sizes, config, workdir):
             }
             result = job[config["job"]](config, rank, rank_sizes)
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 result = train(config, rank, rank_sizes, out=workdir / f"logs{rank}")
+            result["warnings"] = [str(w.message) for w in caught]
         torch.save(result, workdir / f"rank{rank}.pt")
         dist.barrier()  # gloo aborts if a group is torn down while a peer still uses it
     except BaseException:

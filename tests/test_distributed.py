@@ -182,15 +182,27 @@ def test_a_rank_that_raises_fails_the_group_fast(tmp_path):
 @pytest.mark.parametrize("sync", ["ddp", "manual"])
 def test_a_cockpit_on_rank_0_alone_is_told_which_processes_did_not_come(sync, tmp_path):
     # The others train on, untracked: before, rank 0's first exchange met their next step's
-    # collectives and both waited out the group's timeout ("Timed out waiting 60000ms for recv").
+    # collectives and both waited out the group's timeout with gloo's "Timed out waiting ... for recv".
     config = {"model": "mlp", "quantities": "every", "steps": 3, "sync": sync, "cockpit_on_rank0_only": True,
-              "first_meeting_seconds": 5}
+              "first_meeting_seconds": 2, "collective_timeout_on_rank0": 8}
     started = time.monotonic()
     with pytest.raises(ProcessException):
         run_group([2, 2], config, tmp_path)
-    assert time.monotonic() - started < 40  # not the 60 s collective timeout
+    assert time.monotonic() - started < 40  # rank 0's 8 s, not rank 1's 60 s
     told = (tmp_path / "error0.txt").read_text()
-    assert "waited 5 s for the cockpits of processes [1] (global ranks)" in told and "every process" in told
+    assert "has waited 8 s before its first exchange for the cockpits of processes [1] (global ranks)" in told
+    assert "every process of the group makes the cockpit" in told
+
+
+def test_a_process_late_to_the_first_exchange_is_waited_for_with_a_warning(tmp_path):
+    # Without DDP nothing holds rank 0 back before its first exchange: rank 1 comes 4 s after it.
+    config = {"model": "mlp", "quantities": "every", "steps": 2, "sync": "manual", "late_rank1_seconds": 4,
+              "first_meeting_seconds": 1}
+    ranks = run_group([2, 2], config, tmp_path)
+    assert sorted(ranks[0]["output"]) == [0, 1]
+    said = [w for w in ranks[0]["warnings"] if "before its first exchange" in w]
+    assert len(said) == 1 and "has waited 1 s" in said[0] and "processes [1]" in said[0] and "waiting on" in said[0]
+    assert not any("before its first exchange" in w for w in ranks[1]["warnings"])
 
 
 def test_ranks_tracking_different_quantities_are_told(tmp_path):
