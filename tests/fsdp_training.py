@@ -317,3 +317,27 @@ def foreach_over_a_mix(config, rank=0, rank_sizes=None):
         "expected": [a - b for a, b in zip(full, start)],
     }
 
+
+
+def cockpit_on_rank0_only(config, rank=0, rank_sizes=None):
+    """Steps of GPT-2 under FSDP2 where rank 0 alone makes a cockpit of ``config["quantities"]``
+    ("parameters": UpdateSize and Distance, which read no batch but sum over the shards)."""
+    model, blocks = build_lm("gpt2")
+    model = sharded(model, blocks, config)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    every = schedules.linear(1)
+    tracked = [q.UpdateSize(every), q.Distance(every)] if config["quantities"] == "parameters" else quantities("first_order")
+    cockpit = Cockpit(params, quantities=tracked) if rank == 0 else None
+    for step, ids in enumerate(_batches(config, rank_sizes)):
+        ids = ids[sum(rank_sizes[:rank]) : sum(rank_sizes[: rank + 1])]
+        opt.zero_grad()
+        losses = _losses(model, ids)
+        loss = losses.mean()
+        if cockpit is None:
+            loss.backward()
+        else:
+            with cockpit(step, info={"batch_size": len(ids), "individual_losses": losses, "loss": loss, "optimizer": opt}):
+                loss.backward()
+        opt.step()
+    return {}

@@ -2,6 +2,7 @@
 every statistic equals one process on the global batch (float64), whatever each rank's batch
 size; FSDP1, DTensors handed to an op and BackPACK's extensions are refused with one clear line."""
 
+import time
 import warnings
 
 import pytest
@@ -124,6 +125,19 @@ def test_collector_rows_are_those_of_each_rank_s_samples(model, rank_sizes, tmp_
     ranks = run_group(rank_sizes, {"job": "fsdp_collect", "model": model}, tmp_path)
     torch.testing.assert_close(torch.cat([r["rows"] for r in ranks]), expected, rtol=1e-10, atol=1e-12)
     assert any("rows of its own samples only" in w for w in ranks[0]["warnings"])
+
+
+@pytest.mark.parametrize("quantities", ["first_order", "parameters"])
+def test_a_cockpit_on_rank_0_alone_is_told_before_fsdp2_s_collectives(quantities, tmp_path):
+    # Its first collectives come before the step's exchange (the engine's passes agree at entry;
+    # UpdateSize and Distance, which read no batch, sum over the shards): the processes meet first.
+    config = {"job": "fsdp_rank0", "quantities": quantities, "steps": 2, "first_meeting_seconds": 2,
+              "collective_timeout_on_rank0": 8}
+    started = time.monotonic()
+    with pytest.raises(ProcessException):
+        run_group([2, 2], config, tmp_path)
+    assert time.monotonic() - started < 40  # rank 0's 8 s, not rank 1's 60 s
+    assert "has waited 8 s before its first exchange for the cockpits of processes [1]" in (tmp_path / "error0.txt").read_text()
 
 
 def test_fsdp1_dtensors_in_ops_and_backpack_extensions_are_refused_clearly(tmp_path):
