@@ -107,7 +107,8 @@ class GradientMetricCollector:
                 "have requires_grad=False (frozen): leave them out of the metrics' targets"
             )
         try:
-            grads = self._engine.per_sample(loss, retain_graph=retain_graph)
+            with torch.enable_grad():  # (the loss holds its graph: a caller's no_grad() stops the passes from it alone)
+                grads = self._engine.per_sample(loss, retain_graph=retain_graph)
         except RuntimeError as error:
             if self._engine.capture.unsharded.active:  # per sample, each rank's FSDP2 collectives would differ
                 raise
