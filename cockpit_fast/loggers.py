@@ -181,7 +181,7 @@ class TensorBoardLogger(CockpitLogger):
     def __init__(self, log_dir, names=None, per_parameter=True):
         super().__init__(names, per_parameter)
         if isinstance(log_dir, (str, os.PathLike)):
-            require("tensorboard", "tensorboard", "TensorBoardLogger")
+            require("tensorboard", "tensorboard", "TensorBoardLogger", extra="demo")
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=os.fspath(log_dir))
