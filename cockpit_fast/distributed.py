@@ -98,7 +98,7 @@ def meet(group, signature, global_step):
     except RuntimeError:  # (DistStoreError is one)
         if said == limit:
             raise RuntimeError(missing(limit)) from None
-        warnings.warn(f"{missing(said)}; waiting on up to the group's timeout", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{missing(said)}; waiting on up to the group's timeout", RuntimeWarning, stacklevel=3)
         try:
             store.wait([f"{key}/all"], limit - said)
         except RuntimeError:
