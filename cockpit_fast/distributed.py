@@ -108,9 +108,13 @@ def meet(group, signature, global_step):
 
 
 def _timeout(group):
-    """The timeout of ``group``'s collectives (as ``init_process_group`` or ``new_group`` set it)."""
-    for device in group._device_types:
-        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+    """The timeout of ``group``'s collectives (as ``init_process_group`` or ``new_group`` set it;
+    torch's default where its backend does not tell)."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return dist.default_pg_timeout
