@@ -157,6 +157,47 @@ def test_per_sample_gradients_match_the_reference(monkeypatch, layer_name, layou
         torch.testing.assert_close(got.double(), expected[name], rtol=0, atol=tolerance, msg=name)
 
 
+@pytest.mark.parametrize(
+    "layout", ["batch_first", "time_first_two_layers_bidirectional_initial_state", "packed_unsorted_batch_first_two_layers_bidirectional"]
+)
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_per_sample_gradients_under_bf16_autocast_match_one_pass_per_sample(layer_name, layout):
+    # The CPU's autocast runs a GRU in float32 and an RNN or LSTM in bfloat16, where F.linear
+    # computes in bfloat16: the rule raised on mixed dtypes (a float32 initial state, a GRU's
+    # lower layers) before it computed in one dtype with autocast off.
+    model, x, losses_of = _problem(layer_name, layout, torch.float32)
+    params = dict(model.layer.named_parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = dict(zip(params, _one_sample_at_a_time(list(params.values()), losses_of(model, x, None))))
+        forms = _rule_forms(model, losses_of, x)
+    for name, form in forms.items():
+        # bfloat16's rounding of every step, carried through the later steps and layers
+        tolerance = 2 * STEPS * model.layer.num_layers * torch.finfo(torch.bfloat16).eps * float(expected[name].abs().max())
+        torch.testing.assert_close(form.dense().float(), expected[name].float(), rtol=0, atol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.RNN, nn.LSTM])
+def test_a_tracked_step_under_bf16_autocast_takes_the_rule(kind):
+    # (A GRU's weights took the whole graph with one layer, and its step raised with two.)
+    from cockpit_fast.cockpit import Cockpit
+    from cockpit_fast.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    rnn, head = kind(INPUT, HIDDEN, num_layers=2, batch_first=True), nn.Linear(HIDDEN, 3)
+    model = nn.ModuleDict({"rnn": rnn, "head": head})
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    x, y = torch.randn(N, STEPS, INPUT), torch.randint(0, 3, (N,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = nn.functional.cross_entropy(head(rnn(x)[0][:, -1]), y, reduction="none")
+    loss = losses.mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": loss}):
+            loss.backward()
+    routes = list(cockpit.routes().values())
+    assert routes.count(f"module-local: {kind.__name__} rule") == 8 and "whole graph" not in " ".join(routes), routes
+
+
 def test_calls_the_rule_does_not_cover_are_left_to_the_generic_route():
     unbatched = nn.GRU(INPUT, HIDDEN)
     x = torch.randn(STEPS, INPUT)

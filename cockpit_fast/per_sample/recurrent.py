@@ -61,10 +61,13 @@ def recurrent(module, args, kwargs, outputs, output_grads, sample_dim):
         if module.batch_first:
             time_first = lambda t: None if t is None else t.transpose(0, 1)  # noqa: E731
             x, output_grad, output = time_first(x), time_first(output_grad), time_first(output)
-    h0, c0 = _initial_states(module, hx, x)
+    # Under autocast the rule computes in one dtype, its input's (the narrowest of the call's
+    # inputs and output gradients: the CPU runs a GRU in float32, an LSTM in bfloat16), with
+    # autocast off: F.linear would compute in bfloat16 beside a float32 state.
+    h0, c0 = (None if state is None else state.to(x.dtype) for state in _initial_states(module, hx, x))
     if output is not None:
-        output = output.to(x.dtype)  # under autocast: the dtype the rule computes in
-    with torch.no_grad():
+        output = output.to(x.dtype)
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         return _backpropagated(module, x, h0, c0, mask, output, output_grad, h_grad, c_grad)
 
 
@@ -120,7 +123,7 @@ class _Cell:
     states."""
 
     def __init__(self, module, suffix, layer_input, mask):
-        weight = lambda name: getattr(module, name + suffix).detach()  # noqa: E731
+        weight = lambda name: getattr(module, name + suffix).detach().to(layer_input.dtype)  # noqa: E731
         self.module, self.suffix, self.x = module, suffix, layer_input
         self.w_ih, self.w_hh = weight("weight_ih"), weight("weight_hh")
         self.b_ih, self.b_hh = (weight("bias_ih"), weight("bias_hh")) if module.bias else (None, None)
@@ -277,7 +280,7 @@ class _LSTMCell(_Cell):
         bias = None if self.b_ih is None else self.b_ih + self.b_hh  # added once for every step
         inputs = F.linear(self.x.contiguous(), self.w_ih, bias)
         steps, samples, size = inputs.shape[0], inputs.shape[1], inputs.shape[2] // 4
-        self.w_hr = getattr(self.module, "weight_hr" + self.suffix).detach() if self.module.proj_size else None
+        self.w_hr = getattr(self.module, "weight_hr" + self.suffix).detach().to(self.x.dtype) if self.module.proj_size else None
         self.activations = torch.empty_like(inputs)  # sigmoid(i), sigmoid(f), tanh(g), sigmoid(o)
         self.new_cells, self.tanh_cells = (torch.empty_like(inputs[..., :size]) for _ in range(2))
         i, f, g, o = self.activations.chunk(4, 2)
