@@ -490,17 +490,18 @@ def test_retain_graph_and_grad_fields():
 
 
 @pytest.mark.parametrize("setup_name", ["mlp", "cnn"])
-def test_a_loss_built_with_gradients_is_collected_under_no_grad(setup_name):
+def test_a_loss_built_with_gradients_is_collected_under_no_grad_or_inference_mode(setup_name):
     # (The original raises there: "element 0 of tensors does not require grad".)
     setup = Setup(setup_name, torch.float64)
     collector = GradientMetricCollector(make_metrics(fast, "all_kinds", setup.targets))
     expected = collector(setup.forward())
-    loss = setup.forward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback to one pass per sample
-        with torch.no_grad():
-            rows = collector(loss)
-    torch.testing.assert_close(rows, expected, rtol=1e-12, atol=0)
+    for without_grad in (torch.no_grad, torch.inference_mode):
+        loss = setup.forward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to one pass per sample
+            with without_grad():
+                rows = collector(loss)
+        torch.testing.assert_close(rows, expected, rtol=1e-12, atol=0)
 
 
 def test_hooks_are_left_alone():

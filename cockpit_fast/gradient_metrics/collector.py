@@ -106,17 +106,18 @@ class GradientMetricCollector:
                 f"One of the differentiated Tensors does not require grad: the metrics' target parameters {shapes} "
                 "have requires_grad=False (frozen): leave them out of the metrics' targets"
             )
-        try:
-            with torch.enable_grad():  # (the loss holds its graph: a caller's no_grad() stops the passes from it alone)
+        # The loss holds its graph: a caller's no_grad() or inference_mode() would stop the passes from it alone.
+        with torch.inference_mode(False), torch.enable_grad():
+            try:
                 grads = self._engine.per_sample(loss, retain_graph=retain_graph)
-        except RuntimeError as error:
-            if self._engine.capture.unsharded.active:  # per sample, each rank's FSDP2 collectives would differ
-                raise
-            warn_once(
-                "GradientMetricCollector: the batched backward pass failed "
-                f"({type(error).__name__}: {error}); running one backward pass per sample instead"
-            )
-            return self._one_backward_per_sample(loss, retain_graph)
+            except RuntimeError as error:
+                if self._engine.capture.unsharded.active:  # per sample, each rank's FSDP2 collectives would differ
+                    raise
+                warn_once(
+                    "GradientMetricCollector: the batched backward pass failed "
+                    f"({type(error).__name__}: {error}); running one backward pass per sample instead"
+                )
+                return self._one_backward_per_sample(loss, retain_graph)
         if any(id(p) not in grads for p in self._params):  # as the original's torch.autograd.grad
             raise RuntimeError(
                 "One of the differentiated Tensors appears to not have been used in the graph. "
