@@ -4,7 +4,6 @@ import contextlib
 import os
 import warnings
 import weakref
-import zlib
 from collections import Counter, defaultdict
 from typing import NamedTuple, Optional
 
@@ -149,10 +148,9 @@ class Cockpit:
         whole graph), to see why a step is slow. Names are those in the model last called."""
         return {} if self._engine is None else self._engine.routes()
 
-    def _signature(self):
-        """What the cockpit tracks, as a number alike on every process that tracks the same."""
-        tracked = [type(q).__name__ for q in self.quantities], [tuple(p.shape) for p in self.params]
-        return zlib.crc32(repr(tracked).encode())
+    def _tracked(self):
+        """What the cockpit tracks: its quantities' kinds and its parameters' shapes."""
+        return [type(q).__name__ for q in self.quantities], [tuple(p.shape) for p in self.params]
 
     def _named(self, indices):
         """The tracked parameters ``indices``, by name where the engine saw the model."""
@@ -631,7 +629,7 @@ class _TrackedBackward:
         refuse_fsdp1(cockpit.params)  # (wrapped after the cockpit was made)
         if not cockpit._met and (plan.group is not None or (cockpit.process_group is not None and cockpit._unsharded.active)):
             # Before any collective: the step's, or FSDP2's engine passes and sums of shards.
-            meet(cockpit.process_group, cockpit._signature(), plan.global_step)
+            meet(cockpit.process_group, cockpit._tracked(), plan.global_step)
             cockpit._met = True
         if cockpit._unsharded.active and self._extensions:
             raise ValueError(

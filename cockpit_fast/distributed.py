@@ -56,7 +56,7 @@ exchange (:func:`meet`) warns which have not come; it waits on up to the process
 _meetings = Counter()  # group's global ranks -> this process's meetings with that group so far
 
 
-def meet(group, signature, global_step):
+def meet(group, layout, global_step):
     """Waits until every process of ``group`` has come here as often as this one: before a
     cockpit's first exchange (the k-th call of a process meets the k-th call of every other).
 
@@ -69,7 +69,7 @@ def meet(group, signature, global_step):
 
     Raises:
         RuntimeError: If some process has not come within the group's timeout.
-        ValueError: On every process, if their cockpits' ``signature`` (what each tracks)
+        ValueError: On every process, if their cockpits' ``layout`` (what each tracks)
             differs.
     """
     ranks = dist.get_process_group_ranks(group)
@@ -78,7 +78,7 @@ def meet(group, signature, global_step):
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
     key = f"cockpit_fast/meeting/{attempt}/{'-'.join(map(str, ranks))}/{_meetings[tuple(ranks)]}"
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{key}/{dist.get_rank()}", str(signature))
+    store.set(f"{key}/{dist.get_rank()}", str(_checksum(layout)))
     if store.add(key, 1) == len(ranks):
         store.set(f"{key}/all", "")
     limit = _timeout(group)
@@ -408,11 +408,16 @@ def _gathered_alike(layout, values, group, device):
         ValueError: On every rank, if some rank's layout differs (misaligned buffers are never
             exchanged).
     """
-    mine = torch.tensor([*values, zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device)
+    mine = torch.tensor([*values, _checksum(layout)], dtype=torch.int64, device=device)
     every = _all_gather(mine, group).tolist()
     if len({row[-1] for row in every}) != 1:
         raise ValueError(_NOT_THE_SAME)
     return [row[:-1] for row in every]
+
+
+def _checksum(layout):
+    """A number alike on every process whose ``layout`` (plain values) is alike."""
+    return zlib.crc32(repr(layout).encode())
 
 
 def _all_gather(tensor, group):
