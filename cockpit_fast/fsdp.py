@@ -30,6 +30,15 @@ def is_sharded(tensor):
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
+def sharded_as(tensor, param):
+    """``tensor``, a full value of ``param``'s shape, sharded as ``param`` is: this process's part
+    as a ``DTensor``, split here with no communication. Unchanged where ``param`` is not sharded
+    or ``tensor`` already is."""
+    if is_sharded(param) and not is_sharded(tensor):
+        return distribute_tensor(tensor, param.device_mesh, param.placements, src_data_rank=None)
+    return tensor
+
+
 def each(foreach_op, tensors, *others):
     """``foreach_op`` (a ``torch._foreach_*`` function) over ``tensors`` and the lists ``others``
     (tensors or scalars, one per tensor): one call, not a launch per tensor; where FSDP2's shards

@@ -122,7 +122,8 @@ def train(config, rank=0, rank_sizes=None, out=None):
     or of rank 0 with rank0_state), cockpit_on_rank0_only (the others train untracked),
     late_rank1_seconds (rank 1 sleeps that long before its first step); run_group's processes
     also take first_meeting_seconds (the cockpit's FIRST_MEETING_SECONDS) and
-    collective_timeout_on_rank0 (rank 0's process group timeout). Logs and plots go to ``out``, a folder of this rank's own.
+    collective_timeout_on_rank0 (rank 0's process group timeout), plain_average (DDP averages
+    unequal batches' mean gradients as it does unless told otherwise). Logs and plots go to ``out``, a folder of this rank's own.
     """
     rank_sizes = rank_sizes or [config["batch_size"]]
     distributed = len(rank_sizes) > 1
@@ -134,7 +135,7 @@ def train(config, rank=0, rank_sizes=None, out=None):
     params = list(model.parameters())
     if distributed and config.get("sync", "ddp") == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters="branch_samples" in config)
-        if len(set(rank_sizes)) > 1:
+        if len(set(rank_sizes)) > 1 and not config.get("plain_average"):
             model.register_comm_hook(local_n / global_n, weighted_allreduce)
     loss_fn = extend(torch.nn.CrossEntropyLoss())
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")

@@ -107,7 +107,8 @@ def train(config, rank=0, rank_sizes=None):
     "curvature"), optimizer ("sgd", "adam"), frozen (freeze the first block's MLP), mixed,
     compile, float32, micro_batches (accumulated over that many), restored_after and
     rank0_state (as :func:`distributed_training.train`'s), save_state_to (a file the cockpit's
-    state goes to then), state_from (a file the cockpit is restored from instead)."""
+    state goes to then), state_from (a file the cockpit is restored from instead), clip (the
+    gradient's norm clipped to it after the block)."""
     distributed = dist.is_initialized()
     model, blocks = build_lm(config["model"])
     if config.get("float32"):
@@ -143,6 +144,8 @@ def train(config, rank=0, rank_sizes=None):
             opt.zero_grad()
             slices = torch.split(_losses(model, ids), rank_sizes)
             (sum(part.mean() for part in slices) / len(rank_sizes)).backward()
+        if config.get("clip"):
+            torch.nn.utils.clip_grad_norm_(params, config["clip"])
         opt.step()
     return {"output": {step: dict(values) for step, values in cockpit.get_output().items()}}
 

@@ -70,6 +70,18 @@ def test_accumulation_under_ddp_no_sync_equals_one_process_on_the_global_batch(t
         )
 
 
+def test_alpha_on_sgd_is_not_given_for_a_step_ddp_averaged_otherwise_than_the_global_batch(tmp_path):
+    # Unequal batches, DDP's plain average of the ranks' mean gradients (no weighting hook):
+    # SGD's update is not -lr times the global batch's mean gradient the statistics read. Step 0
+    # says so on every rank; from step 1 on Alpha reads the update from the parameters.
+    config = {"model": "mlp", "quantities": "first_order", "steps": STEPS, "plain_average": True}
+    ranks = run_group([5, 3], config, tmp_path)
+    for result in ranks:
+        assert "Alpha" not in result["output"][0] and result["output"][1]["Alpha"] is not None
+        assert sum("reduced to another mean than the global batch's" in w for w in result["warnings"]) == 1
+    assert_same_output(comparable(ranks[1]["output"]), comparable(ranks[0]["output"]), rtol=0, atol=0, path="rank 1")
+
+
 def test_a_rank_past_max_kept_bytes_skips_the_quantities_that_wait_on_every_rank(tmp_path):
     # Rank 0's 5 samples outgrow the limit, rank 1's 3 do not: every rank skips what waited for the
     # step's gradient (the ranks used to exchange buffers of other sizes: gloo aborted).

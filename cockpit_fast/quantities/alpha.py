@@ -10,7 +10,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from cockpit_fast.fsdp import each, gathered, is_sharded
+from cockpit_fast.fsdp import each, gathered, is_sharded, sharded_as
 from cockpit_fast.per_sample.capture import outside_autocast
 from cockpit_fast.per_sample.grads import Kept
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection, squared_norm, sum_of
@@ -106,7 +106,8 @@ class Alpha(FastQuantity):
             if start is not None and start.gradient_changed:
                 warnings.warn(
                     f"[Step {step - self.SAVE_SHIFT}] Alpha: SGD stepped with another gradient than the step's (changed "
-                    "after the `with` block: clipped, say), so its update is not -lr times the step's gradient: "
+                    "after the `with` block: clipped, say; or, over processes with unequal batch sizes, reduced to "
+                    "another mean than the global batch's), so its update is not -lr times the step's gradient: "
                     "no value for this step; from the next one on, Alpha keeps the parameters to read the update"
                 )
             elif start is not None and start.observation is not None:  # else its step failed
@@ -218,6 +219,7 @@ class _StartPoint:
         self._stepped = False
         self._handed = None  # SGD: {id(param): (index, param, its gradient weakly, that one's version)} at the step's end
         self.gradient_changed = False  # SGD stepped with another gradient than the step's
+        self._compare_every = False  # compare every gradient SGD steps with, not only those changed
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
@@ -254,14 +256,14 @@ class _StartPoint:
             dots[i] = self.grad_batch[i].dot(self.directions[i])
         self.kept_dots, self.grad_batch, self.params = dots, None, None
 
-    def _check_sgd_gradients(self, params):
+    def _check_sgd_gradients(self, params, rank_sizes):
         """Check, once SGD has stepped, that it stepped with this step's gradients (a trainer may
-        clip them after the ``with`` block): else the update is not the one observed."""
-        self._handed = {
-            id(p): (i, p, weakref.ref(p.grad), p.grad._version)
-            for i, p in enumerate(params)
-            if p.grad is not None and not is_sharded(p)
-        }
+        clip them after the ``with`` block): else the update is not the one observed. Where the
+        processes' batches differ in size (their reduction may average their mean gradients, not
+        the global batch's mean), or under FSDP2 (its shards are alike on no two processes), every
+        gradient is compared, so that each process decides alike."""
+        self._handed = {id(p): (i, p, weakref.ref(p.grad), p.grad._version) for i, p in enumerate(params) if p.grad is not None}
+        self._compare_every = len(set(rank_sizes or [])) > 1 or any(is_sharded(p) for p in params)
         _watch_optimizer_steps()
         _CHECKING.add(self)
 
@@ -269,11 +271,12 @@ class _StartPoint:
         """After the step of an optimizer owning the parameters of ids ``owned`` (its gradients
         still there: a closure's backward pass runs inside the step): whether it stepped with
         those the update was observed from, to :data:`SAME_UPDATE` (compared where one was
-        changed in place since: a clip by a factor 1 changes none)."""
+        changed in place since, a clip by a factor 1 changing none, or every one, as
+        :meth:`_check_sgd_gradients` says)."""
         moved = []
         for key in owned & self._handed.keys():
             index, param, grad, version = self._handed.pop(key)
-            if param.grad is not grad() or param.grad._version != version:
+            if self._compare_every or param.grad is not grad() or param.grad._version != version:
                 moved.append((index, param))
         if not self._handed:
             _CHECKING.discard(self)
@@ -283,7 +286,7 @@ class _StartPoint:
                 self.gradient_changed = True
                 return
             now = _scaled(grads, [-self._learning_rates[id(param)] for _, param in moved])
-            kept = [self.directions[i] for i, _ in moved]
+            kept = [sharded_as(self.directions[i], param) for i, param in moved]  # (FSDP2's: full values)
             off = squared_norm(each(torch._foreach_sub, now, kept))
             self.gradient_changed = bool(off > SAME_UPDATE**2 * squared_norm(kept))
 
@@ -300,7 +303,7 @@ class _StartPoint:
             steps = [-self._learning_rates[id(p)] for p in ctx.params]
             self.directions = dict(enumerate(_scaled(ctx.grads(), steps)))
             dots = sum_of(_scaled(ctx.per_param(DOT_MEAN_GRAD), steps))
-            self._check_sgd_gradients(ctx.params)
+            self._check_sgd_gradients(ctx.params, ctx.rank_sizes)
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:

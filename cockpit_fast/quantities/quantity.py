@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from cockpit_fast.context import tracking
-from cockpit_fast.fsdp import DTensor, distribute_tensor, full, is_sharded
+from cockpit_fast.fsdp import DTensor, full, is_sharded, sharded_as
 
 
 class FastQuantity:
@@ -325,12 +325,7 @@ def restored_copies(values, params):
     """:func:`restored_per_param` of copies of the parameters, sharded as they are: a copy saved
     unsharded (by one process, or under DDP) restored for a parameter FSDP2 shards as this
     process's shard of it."""
-    return [
-        distribute_tensor(copy, param.device_mesh, param.placements, src_data_rank=None)
-        if is_sharded(param) and not is_sharded(copy)
-        else copy
-        for copy, param in zip(restored_per_param(values, params), params)
-    ]
+    return [sharded_as(copy, param) for copy, param in zip(restored_per_param(values, params), params)]
 
 
 def holds_this_process(state, tags=(_SHARD, _THIS_PROCESS)):
