@@ -271,6 +271,43 @@ def test_parameters_of_a_submodule_never_run_have_zero_gradients_said_once(with_
     assert output["GradNorm"][2:4] == [0.0, 0.0]
 
 
+class _UsedInTrainingOnly(torch.nn.Module):
+    """As Hubert's encoder in eval mode: a parameter only training reads, and two outputs, one
+    made from the other (its own parameters take the whole graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masked_embed = torch.nn.Parameter(torch.randn(5))
+        self.proj = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        h = self.proj(x + self.masked_embed if self.training else x)
+        return h, h.relu()
+
+
+def test_a_parameter_the_whole_graph_finds_unused_has_zero_gradients():
+    # The whole graph gave it per-sample gradients, the backward pass no gradient: KeyError.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_UsedInTrainingOnly(), _Second(), torch.nn.Linear(5, 3)).double().eval()
+    x, y = torch.randn(N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+    losses_of = lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY), quantities.GradNorm(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the whole-graph route and the unreached parameter, said)
+        _step(model, losses_of, x, y, cockpit)
+    g = flat(_oracle(model, params, losses_of, x, y, {}))
+    mean = g.mean(0)
+    output = cockpit.get_output()[0]
+    assert output["NormTest"] == pytest.approx(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5, rel=1e-9)
+    assert output["GradNorm"][0] == 0.0 and output["GradNorm"][1] > 0
+
+
+class _Second(torch.nn.Module):
+    def forward(self, outputs):
+        return outputs[1]
+
+
 def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
     from any_models import VOCAB, hf_mamba, token_losses
 
