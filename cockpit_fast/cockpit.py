@@ -813,7 +813,9 @@ class _TrackedBackward:
             raise ValueError(
                 f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
                 f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`. (LBFGS, whose step evaluates "
-                "its closure several times: run one closure's backward pass inside the block, the step after it)"
+                "its closure several times: run one closure's backward pass inside the block, the step after it. A "
+                "custom autograd.Function whose backward runs one of its own, as Reformer's reversible layers: per-sample "
+                "gradients cannot be computed through it)"
             )
         if self._stream_error is not None:
             raise self._stream_error

@@ -585,12 +585,7 @@ class StepStatistics:
         batch = self.micro_batches
         self.micro_batches += 1
         streamed, self._streamed = self._streamed, {}
-        # (A form of a parameter the pass gave no gradient, the whole graph's of one it did not
-        # use, is left out: its samples' gradients are zero, as for any parameter not reached.)
-        found = [
-            (index, param, forms[id(param)]) for index, param in enumerate(self.params)
-            if id(param) in forms and (graded is None or index in graded)
-        ]
+        found = [(index, param, forms[id(param)]) for index, param in enumerate(self.params) if id(param) in forms]
         self._sizes.append(max([form.batch_size for _, _, form in found] + list(streamed.values()), default=0))
         here = {index for index, _, _ in found} | set(streamed) if graded is None else set(graded)
         self._graded.append(here)

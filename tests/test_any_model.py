@@ -308,6 +308,55 @@ class _Second(torch.nn.Module):
         return outputs[1]
 
 
+class _Recomputed(torch.autograd.Function):
+    """As Reformer's reversible layers: the layer runs without a graph, its backward recomputes
+    it and runs a backward pass of its own, which gives the layer's parameters their gradient."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            torch.autograd.backward(ctx.layer(x), grad_out)
+        return x.grad, None
+
+
+class _Reversible(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.inner, self.head = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(_Recomputed.apply(self.first(x), self.inner))
+
+
+@pytest.mark.parametrize("info_losses", [True, False])
+def test_a_backward_pass_run_inside_a_backward_node_is_a_clear_error(info_losses):
+    # The collector gave the inner layer zero per-sample gradients with no word; the cockpit
+    # blamed gradient accumulation.
+    torch.manual_seed(0)
+    model = _Reversible().double()
+    x, y = torch.randn(N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+    message = r"\(inner.weight, inner.bias\) cannot be computed: a custom autograd.Function's backward runs a backward pass"
+    if not info_losses:
+        message = "backward passes ran for one step .* A custom autograd.Function whose backward runs one of its own"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the inner layer's call cannot be replayed: the whole graph)
+        with pytest.raises(ValueError, match=message):
+            _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=info_losses)
+        if info_losses:
+            collector = GradientMetricCollector([gm.PNorm(model, p=2)])
+            with pytest.raises(ValueError, match=message):
+                collector(torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
+
+
 def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
     from any_models import VOCAB, hf_mamba, token_losses
 

@@ -245,8 +245,10 @@ class Engine:
             self._warn_of_guesses([call for call, _ in fired if call.layout_guessed], {*found, *step.taken})
             self._learn_layouts(unguessed)
             self._checked.update(call.module for call in unguessed)
-        self._record_routes(fired, step.forms, {**found, **dict.fromkeys(step.taken)})
-        return {**found, **step.forms}
+        # A parameter the whole graph found unused (read in training only, say) gets no form either.
+        whole = step.forms if grads is None else {key: form for key, form in step.forms.items() if key in grads}
+        self._record_routes(fired, whole, {**found, **dict.fromkeys(step.taken)})
+        return {**found, **whole}
 
     def per_sample(self, losses, scale=1.0, retain_graph=True):
         """``{id(param): form}`` of every sample's own loss, from a backward pass of its own
@@ -257,7 +259,7 @@ class Engine:
             tracked = [p for p in self.params if p.requires_grad]
             inputs = self._in_graph(tracked)
             try:
-                with user_hooks_set_aside(inputs), own_pass(self.capture):
+                with user_hooks_set_aside(inputs), own_pass(self.capture), self._no_nested_backward(tracked, inputs):
                     grads = torch.autograd.grad(
                         losses, inputs, torch.full_like(losses, scale), retain_graph=retain_graph, allow_unused=True
                     )
@@ -291,7 +293,8 @@ class Engine:
             sums = _SumsOnTheWay(self.capture)
             self.capture.arm(sums.keep)  # (reading the user's hooks, applied to each sample's gradient)
             try:
-                with user_hooks_set_aside(inputs), own_pass(self.capture):  # the engine's own passes are not the user's step
+                with user_hooks_set_aside(inputs), own_pass(self.capture), self._no_nested_backward(tracked, inputs):
+                    # (the engine's own passes are not the user's step)
                     grads = torch.autograd.grad(losses, inputs, weights, retain_graph=True, allow_unused=True)
             finally:
                 _, fired = self.capture.disarm()
@@ -430,7 +433,7 @@ class Engine:
         params = [p for p in tracked if id(p) in needs]
         inputs = self._in_graph(params)
         activations = sum(math.prod(shape) for call in calls for shape in call.output_shapes)
-        with own_pass(self.capture):
+        with own_pass(self.capture), self._no_nested_backward(params, inputs):
             forms = whole_graph_grads(losses, inputs, scale, activations)
         return {id(p): forms[id(g)] for p, g in zip(params, inputs)}
 
@@ -521,6 +524,26 @@ class Engine:
                 "info['individual_losses'] to have the layout proven",
                 RuntimeWarning,
                 stacklevel=4,
+            )
+
+    @contextlib.contextmanager
+    def _no_nested_backward(self, params, inputs):
+        """Around the engine's own ``torch.autograd.grad`` passes (of ``inputs``, those of
+        ``params`` in the graph), which write no ``.grad``: raises a ValueError where one was
+        written all the same, by a backward pass run inside a backward node's. The parameters it
+        reaches are in no graph the engine's passes see: theirs would be zero."""
+        before = [(g.grad, None if g.grad is None else g.grad._version) for g in inputs]
+        yield
+        nested = [
+            id(p) for p, g, (grad, version) in zip(params, inputs, before)
+            if g.grad is not grad or (grad is not None and grad._version != version)
+        ]
+        if nested:
+            raise ValueError(
+                f"per-sample gradients of {self._describe(nested)} cannot be computed: a custom autograd.Function's "
+                "backward runs a backward pass of its own that gives them their gradient (it recomputes its layers, as "
+                "Reformer's reversible layers do), which a backward pass of every sample's own loss cannot see into; "
+                "their .grad now holds that pass's gradient"
             )
 
     def _names(self):
