@@ -357,6 +357,41 @@ def test_a_backward_pass_run_inside_a_backward_node_is_a_clear_error(info_losses
                 collector(torch.nn.functional.cross_entropy(model(x), y, reduction="none"))
 
 
+class _ChannelsFoldedIntoRows(torch.nn.Module):
+    """As PatchTST: each sample's C channels folded into the rows, (N, C, L, 2) -> (N * C, L, D),
+    then a channel-first layer on (N * C, D, L)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.embed = torch.nn.Linear(2, 8)
+        self.layer = layer
+        self.head = torch.nn.Linear(3 * 5 * 8, 3)
+
+    def forward(self, x):
+        h = self.embed(x).reshape(-1, 5, 8)
+        h = self.layer(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("layer", ["batch_norm_eval", "group_norm", "conv"])
+def test_a_channel_first_layer_on_rows_that_fold_each_samples_channels_matches_the_oracle(layer):
+    # The engine regroups the rows as (N, C, ...): the layer's rule took C for its channels (a crash).
+    torch.manual_seed(0)
+    made = {
+        "batch_norm_eval": lambda: torch.nn.BatchNorm1d(8),
+        "group_norm": lambda: torch.nn.GroupNorm(4, 8),
+        "conv": lambda: torch.nn.Conv1d(8, 8, 3, padding=1),
+    }[layer]()
+    model = _ChannelsFoldedIntoRows(made).double().eval()
+    if layer == "batch_norm_eval":
+        model.layer.running_mean.normal_()
+        model.layer.running_var.uniform_(0.5, 2)
+    x, y = torch.randn(N, 3, 5, 2, dtype=torch.float64), torch.randint(0, 3, (N,))
+    losses_of = lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none")  # noqa: E731
+    (got,), (expected,) = _norm_test_against_oracle(model, x, y, losses_of)
+    assert got == pytest.approx(expected, rel=1e-10)
+
+
 def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
     from any_models import VOCAB, hf_mamba, token_losses
 

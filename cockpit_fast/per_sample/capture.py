@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from cockpit_fast.fsdp import Unsharded
 from cockpit_fast.per_sample import parametrized, rules, shared
 from cockpit_fast.per_sample.generic import ModuleVjpGrads, graph_nodes, replay_grads
-from cockpit_fast.per_sample.grads import HookedGrads, combine
+from cockpit_fast.per_sample.grads import DenseGrads, HookedGrads, combine
 
 
 _replaying = [0]  # > 0 while a call is replayed: its inner calls are not new calls
@@ -236,7 +236,10 @@ class Call:
                     first = lambda t: t.movedim(self.sample_dim, 0) if isinstance(t, torch.Tensor) and t.dim() > 1 else t  # noqa: E731
                     # Inputs shared by every sample (a batch of one, broadcast) reach each of them.
                     inputs = tuple(_broadcast(first(a), self.batch_size) for a in args)
-                    made = rule(self.module, inputs, first(grads[0])) or {}
+                    if self.routed is not None and rule.channel_first:  # (N, P, C, ...): on the rows, summed
+                        made = _rows_summed(rule(self.module, tuple(_rows(a) for a in inputs), _rows(grads[0])) or {}, self.batch_size)
+                    else:
+                        made = rule(self.module, inputs, first(grads[0])) or {}
             found = {name: form for name, form in made.items() if name in self.params}
             found.update(parametrized.chained_forms(self.module, made, self.params, self.parametrization_buffers))
         finally:
@@ -245,6 +248,17 @@ class Call:
         for name in self._replays:
             found[name] = ModuleVjpGrads(self, name, grads)
         return found
+
+
+def _rows(t):
+    """A regrouped call's ``(N, P, ...)`` tensor as its ``N * P`` rows (zero rows pad a sample's)."""
+    return t.flatten(0, 1) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
+
+
+def _rows_summed(made, n):
+    """Per-row forms of a regrouped call's ``N * P`` rows as the ``n`` samples' (each sample's
+    ``P`` rows summed)."""
+    return {name: DenseGrads(form.dense().unflatten(0, (n, -1)).sum(1)) for name, form in made.items()}
 
 
 def _in_narrowest_dtype(args, grads):

@@ -21,7 +21,7 @@ _RULES = {}
 _RULES_BY_NAME = {}  # "module.QualName" -> rule, for classes of packages we do not import
 
 
-def register_rule(*module_types, raw=False, reads_outputs=False):
+def register_rule(*module_types, raw=False, reads_outputs=False, channel_first=False):
     """File the decorated function as the rule of ``module_types`` (types, or qualified names
     such as ``"transformers.pytorch_utils.Conv1D"`` for classes of optional packages).
 
@@ -29,10 +29,15 @@ def register_rule(*module_types, raw=False, reads_outputs=False):
     output_grads, sample_dim)``: its tensor outputs that require grad (None unless
     ``reads_outputs``: then kept, detached, until the backward pass, and None where the call was
     made once for every sample), their gradients (None where one got none) and where the call
-    holds its samples (modules of several outputs or inputs, such as recurrent layers)."""
+    holds its samples (modules of several outputs or inputs, such as recurrent layers).
+
+    ``channel_first``: the module takes ``(rows, channels, *spatial)`` (convolutions, batch and
+    group norms): where a call's rows are not the samples (a sample's channels folded into the
+    rows), the rule runs on the rows and each sample's rows' gradients are summed. Else the rule
+    takes such a call's rows regrouped as ``(N, P, ...)``, P more positions of each sample."""
 
     def register(rule):
-        rule.raw, rule.reads_outputs = raw, raw and reads_outputs
+        rule.raw, rule.reads_outputs, rule.channel_first = raw, raw and reads_outputs, channel_first
         for module_type in module_types:
             if isinstance(module_type, str):
                 _RULES_BY_NAME[module_type] = rule
@@ -87,7 +92,7 @@ def _padded_input(module, x):
     return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, channel_first=True)
 def convolution(module, inputs, output_grad):
     x = _padded_input(module, inputs[0])
     kernel_size = module.in_channels // module.groups * math.prod(module.kernel_size)
@@ -157,7 +162,7 @@ def rms_norm(module, inputs, output_grad):
     return _affine(module, normalized, output_grad, channel_dim=-1)
 
 
-@register_rule(nn.GroupNorm)
+@register_rule(nn.GroupNorm, channel_first=True)
 def group_norm(module, inputs, output_grad):
     normalized = F.group_norm(inputs[0], module.num_groups, eps=module.eps)
     return _affine(module, normalized, output_grad, channel_dim=1)
@@ -169,7 +174,7 @@ def mixes_samples(module):
     return isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None)
 
 
-@register_rule(nn.modules.batchnorm._BatchNorm)
+@register_rule(nn.modules.batchnorm._BatchNorm, channel_first=True)
 def batch_norm(module, inputs, output_grad):
     # In training mode the batch's statistics normalise: exact where the engine proved this
     # call's output gradient each sample's own (nothing downstream mixes samples).
