@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from cockpit_fast.fsdp import Unsharded
 from cockpit_fast.per_sample import parametrized, rules, shared
 from cockpit_fast.per_sample.generic import ModuleVjpGrads, graph_nodes, replay_grads
-from cockpit_fast.per_sample.grads import DenseGrads, HookedGrads, combine
+from cockpit_fast.per_sample.grads import DenseGrads, HookedGrads, combine, samples_per_chunk
 
 
 _replaying = [0]  # > 0 while a call is replayed: its inner calls are not new calls
@@ -237,7 +237,7 @@ class Call:
                     # Inputs shared by every sample (a batch of one, broadcast) reach each of them.
                     inputs = tuple(_broadcast(first(a), self.batch_size) for a in args)
                     if self.routed is not None and rule.channel_first:  # (N, P, C, ...): on the rows, summed
-                        made = _rows_summed(rule(self.module, tuple(_rows(a) for a in inputs), _rows(grads[0])) or {}, self.batch_size)
+                        made = _summed_by_sample(rule, self.module, inputs, grads[0], self.routed)
                     else:
                         made = rule(self.module, inputs, first(grads[0])) or {}
             found = {name: form for name, form in made.items() if name in self.params}
@@ -250,15 +250,23 @@ class Call:
         return found
 
 
-def _rows(t):
-    """A regrouped call's ``(N, P, ...)`` tensor as its ``N * P`` rows (zero rows pad a sample's)."""
-    return t.flatten(0, 1) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
-
-
-def _rows_summed(made, n):
-    """Per-row forms of a regrouped call's ``N * P`` rows as the ``n`` samples' (each sample's
-    ``P`` rows summed)."""
-    return {name: DenseGrads(form.dense().unflatten(0, (n, -1)).sum(1)) for name, form in made.items()}
+def _summed_by_sample(rule, module, inputs, output_grad, regrouping):
+    """Forms of a channel-first rule's parameters on a call whose rows were regrouped by sample:
+    the rule runs on the call's own rows (a batch norm's statistics are theirs, no padding),
+    a chunk of rows at a time where rows do not interact, and each sample's rows are summed."""
+    inputs, output_grad = tuple(regrouping.rows_of(a) for a in inputs), regrouping.rows_of(output_grad)
+    samples, rows = regrouping.samples, output_grad.shape[0]
+    values_per_row = sum(p.numel() for p in module.parameters(recurse=False))
+    size = rows if rules.mixes_samples(module) else samples_per_chunk(values_per_row)
+    summed = {}
+    for start in range(0, rows, size):
+        part = lambda t: t[start : start + size] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else t  # noqa: E731
+        for name, form in (rule(module, tuple(part(a) for a in inputs), part(output_grad)) or {}).items():
+            values = form.dense()
+            if name not in summed:
+                summed[name] = values.new_zeros(regrouping.n, *values.shape[1:])
+            summed[name].index_add_(0, samples[start : start + size], values)
+    return {name: DenseGrads(values) for name, values in summed.items()}
 
 
 def _in_narrowest_dtype(args, grads):

@@ -540,10 +540,11 @@ class Engine:
         ]
         if nested:
             raise ValueError(
-                f"per-sample gradients of {self._describe(nested)} cannot be computed: a custom autograd.Function's "
-                "backward runs a backward pass of its own that gives them their gradient (it recomputes its layers, as "
-                "Reformer's reversible layers do), which a backward pass of every sample's own loss cannot see into; "
-                "their .grad now holds that pass's gradient"
+                f"per-sample gradients of {self._describe(nested)} cannot be computed: their .grad was written during "
+                "the engine's own backward pass, which writes none: a custom autograd.Function's backward runs a "
+                "backward pass of its own that gives them their gradient (it recomputes its layers, as Reformer's "
+                "reversible layers do), which a backward pass of every sample's own loss cannot see into (or a hook "
+                "writes .grad: write it after the backward pass)"
             )
 
     def _names(self):

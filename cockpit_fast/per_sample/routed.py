@@ -66,6 +66,18 @@ class Regrouping:
         out.index_copy_(0, self._destination, t.detach())
         return out.view(self.n, self.positions, *t.shape[1:])
 
+    @property
+    def samples(self):
+        """``(R,)``: the sample of each of the call's rows, in their order."""
+        return self._destination // max(1, self.positions)
+
+    def rows_of(self, t):
+        """A regrouped ``(N, P, ...)`` tensor's rows as the call had them, ``(R, ...)`` (the
+        padding left out); anything else as it is."""
+        if not isinstance(t, torch.Tensor) or t.shape[:2] != (self.n, self.positions):
+            return t
+        return t.flatten(0, 1).index_select(0, self._destination)
+
     def shape(self, shape):
         """The regrouped shape of a tensor of ``shape`` holding the call's rows."""
         return torch.Size((self.n, self.positions, *shape[1:])) if shape and shape[0] == self.rows else shape
