@@ -257,9 +257,9 @@ def _summed_by_sample(rule, module, inputs, output_grad, regrouping):
     inputs, output_grad = tuple(regrouping.rows_of(a) for a in inputs), regrouping.rows_of(output_grad)
     samples, rows = regrouping.samples, output_grad.shape[0]
     values_per_row = sum(p.numel() for p in module.parameters(recurse=False))
-    size = rows if rules.mixes_samples(module) else samples_per_chunk(values_per_row)
+    size = max(1, rows) if rules.mixes_samples(module) else samples_per_chunk(values_per_row)
     summed = {}
-    for start in range(0, rows, size):
+    for start in range(0, max(1, rows), size):  # (once where no row holds a sample: zeros)
         part = lambda t: t[start : start + size] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else t  # noqa: E731
         for name, form in (rule(module, tuple(part(a) for a in inputs), part(output_grad)) or {}).items():
             values = form.dense()
