@@ -57,13 +57,14 @@ def quantities(name, sgd=True):
 
 
 def sharded(model, blocks, config):
-    """``model`` under FSDP2 over every process (bf16 parameters with ``config["mixed"]``, blocks
-    compiled with ``config["compile"]``)."""
+    """``model`` under FSDP2 over every process (bf16 parameters with ``config["mixed"]``, reduced
+    in bf16 too with ``config["reduce_bf16"]``, blocks compiled with ``config["compile"]``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.get("mixed") else MixedPrecisionPolicy()
+    reduce_dtype = torch.bfloat16 if config.get("reduce_bf16") else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if config.get("mixed") else MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
         if config.get("compile"):

@@ -113,6 +113,14 @@ def test_bf16_parameters_and_fp32_reduction_agree_with_float32_within_bf16_round
     assert_same_output(noise, {k: expected["GradNoiseScale"][k] for k in noise}, rtol=rtol, atol=0, path="GradNoiseScale")
 
 
+def test_a_bf16_reduction_is_no_other_gradient_to_alpha_s_check_on_sgd(tmp_path):
+    # FSDP2's gradient, reduced in bfloat16, is 1e-3 of its norm off the cockpit's global mean:
+    # Alpha took it for a gradient changed after the block and gave step 0 no value.
+    config = {"job": "fsdp", "model": "gpt2", "steps": 3, "float32": True, "mixed": True, "reduce_bf16": True}
+    for result in run_group([4, 4], config, tmp_path):
+        assert "Alpha" in result["output"][0] and "Alpha" in result["output"][1]
+
+
 @pytest.mark.parametrize("model, rank_sizes", [("gpt2", [3, 2]), ("llama", [2, 3])])
 def test_collector_rows_are_those_of_each_rank_s_samples(model, rank_sizes, tmp_path):
     expected = collect_rows({"model": model}, rank_sizes=rank_sizes)["rows"]

@@ -10,7 +10,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from cockpit_fast.fsdp import each, gathered, is_sharded, sharded_as
+from cockpit_fast.fsdp import each, gathered, is_sharded, local_part, reduction_dtypes, summed_squares
 from cockpit_fast.per_sample.capture import outside_autocast
 from cockpit_fast.per_sample.grads import Kept
 from cockpit_fast.statistics import DOT_MEAN_GRAD, GRAD_BATCH, Projection, squared_norm, sum_of
@@ -285,10 +285,14 @@ class _StartPoint:
             if any(grad is None for grad in grads):
                 self.gradient_changed = True
                 return
-            now = _scaled(grads, [-self._learning_rates[id(param)] for _, param in moved])
-            kept = [sharded_as(self.directions[i], param) for i, param in moved]  # (FSDP2's: full values)
-            off = squared_norm(each(torch._foreach_sub, now, kept))
-            self.gradient_changed = bool(off > SAME_UPDATE**2 * squared_norm(kept))
+            # Each process's parts (FSDP2's shards; the directions are full values), then norms over processes.
+            params = [param for _, param in moved]
+            now = _scaled([local_part(g, p) for g, p in zip(grads, params)], [-self._learning_rates[id(p)] for p in params])
+            kept = [local_part(self.directions[i], param) for i, param in moved]
+            off, size = summed_squares([torch._foreach_sub(now, kept), kept], params)
+            # (FSDP2 may reduce in bfloat16: its rounding, relative to the gradient's norm, is no change.)
+            rounding = max((torch.finfo(d).eps for d in reduction_dtypes(params).values()), default=0.0)
+            self.gradient_changed = bool(off > max(SAME_UPDATE, 2 * rounding) ** 2 * size)
 
     def stop_watching(self):
         """Stop watching the optimizer and the module calls (the end has come, or will not)."""
@@ -355,7 +359,7 @@ SAME_UPDATE = 1e-5
 """How far (relative, in norm) the update SGD made may be from -lr times the step's gradient and
 still be taken for it: the rounding of the processes' reduction (DistributedDataParallel's average
 of their gradients against the cockpit's global mean, about 1e-7 in float32) passes; a clip by
-a factor below 1 - 1e-5 does not."""
+a factor below 1 - 1e-5 does not. (Where FSDP2 reduces in a coarser dtype, twice its eps.)"""
 _WAITING = weakref.WeakSet()
 """The starts waiting for their update (weakly: a cockpit let go takes its own)."""
 _CHECKING = weakref.WeakSet()
