@@ -55,22 +55,33 @@ def local_part(tensor, param):
 
 def summed_squares(groups, params):
     """Of each list in ``groups`` (one :func:`local_part` per parameter of ``params``), the sum of
-    the squared ℓ₂ norms of the whole tensors (float64): the parts of FSDP2's shards summed over
-    their processes in one collective for every group (as :func:`norms`, without a DTensor op
-    a tensor: 0.05 ms each on the CPU, a step's worth for a model of many tensors)."""
+    the squared ℓ₂ norms of the whole tensors (float64), without a DTensor op a tensor (0.05 ms
+    each on the CPU, a step's worth for a model of many tensors)."""
     squares = torch.stack([torch.stack(torch._foreach_norm(list(group), 2, dtype=torch.float64)).square() for group in groups])
-    simple = [is_sharded(p) and _sharded_on_one_dim(p) for p in params]
-    for k, p in enumerate(params):  # other placements (HSDP's): one collective a tensor, as norms() takes them
-        if is_sharded(p) and not simple[k]:
-            for g, group in enumerate(groups):
-                whole = DTensor.from_local(group[k], p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                squares[g, k] = full(torch.linalg.vector_norm(whole, dtype=torch.float64)).square()
-    if not any(simple):
-        return squares.sum(1)
-    mask = torch.tensor(simple, device=squares.device)
-    shards = squares[:, mask].sum(1)
-    dist.all_reduce(shards, group=next(p for p, s in zip(params, simple) if s).device_mesh.get_group())
-    return shards + squares[:, ~mask].sum(1)
+    return _over_processes(squares, params, lambda g, k: groups[g][k]).sum(1)
+
+
+def _over_processes(squares, params, part):
+    """``squares`` ``(G, K)``, squared norms of this process's parts ``part(g, k)`` of ``G``
+    values of each of the ``K`` ``params``, made those of the whole values: the parts of FSDP2's
+    shards summed over their processes, one collective for every set of processes; other
+    placements (HSDP's) one collective a value."""
+    by_ranks = {}
+    for k, p in enumerate(params):
+        if not is_sharded(p):
+            continue
+        if _sharded_on_one_dim(p):
+            group = p.device_mesh.get_group()
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), (group, []))[1].append(k)
+            continue
+        for g in range(len(squares)):
+            whole = DTensor.from_local(part(g, k), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            squares[g, k] = full(torch.linalg.vector_norm(whole, dtype=torch.float64)).square()
+    for group, columns in by_ranks.values():  # in the parameters' order: the same on every process
+        summed = squares[:, columns]
+        dist.all_reduce(summed, group=group)
+        squares[:, columns] = summed
+    return squares
 
 
 def reduction_dtypes(params):
@@ -290,18 +301,14 @@ def norms(tensors, dtype=None):
     tensors = list(tensors)
     # One fused call for all of them: on a GPU a launch each would cost the host more than the norms.
     local = [t.to_local() if is_sharded(t) else t for t in tensors]
-    local = list(torch._foreach_norm(local, 2, dtype=dtype)) if tensors else []
+    found = list(torch._foreach_norm(local, 2, dtype=dtype)) if tensors else []
     sharded = [i for i, t in enumerate(tensors) if is_sharded(t)]
-    if not sharded:
-        return local
-    meshes = {tensors[i].device_mesh for i in sharded}
-    if len(meshes) > 1 or any(not _sharded_on_one_dim(tensors[i]) for i in sharded):
-        return [full(torch.linalg.vector_norm(t)) if is_sharded(t) else n for t, n in zip(tensors, local)]
-    squares = torch.stack([local[i].double() ** 2 for i in sharded])
-    dist.all_reduce(squares, group=meshes.pop().get_group())
-    for i, total in zip(sharded, squares.sqrt()):
-        local[i] = total.to(local[i].dtype)
-    return local
+    if sharded:
+        squares = torch.stack([found[i].double() ** 2 for i in sharded])[None]
+        whole = _over_processes(squares, [tensors[i] for i in sharded], lambda g, k: local[sharded[k]])
+        for i, total in zip(sharded, whole[0].sqrt()):
+            found[i] = total.to(found[i].dtype)
+    return found
 
 
 def _sharded_on_one_dim(tensor):

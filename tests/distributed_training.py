@@ -260,13 +260,14 @@ def _rank_main(rank, rank_sizes, config, workdir):
     try:
         if config.get("job") == "collect":
             result = collect_rows(rank, rank_sizes)
-        elif config.get("job") in ("fsdp", "fsdp_routed", "fsdp_collect", "fsdp_refusals", "fsdp_each", "fsdp_rank0"):
+        elif config.get("job") in ("fsdp", "fsdp_routed", "fsdp_collect", "fsdp_refusals", "fsdp_each", "fsdp_rank0", "fsdp_meshes"):
             import fsdp_training
 
             job = {
                 "fsdp": fsdp_training.train, "fsdp_routed": fsdp_training.train_routed,
                 "fsdp_collect": fsdp_training.collect_rows, "fsdp_refusals": fsdp_training.refusals,
                 "fsdp_each": fsdp_training.foreach_over_a_mix, "fsdp_rank0": fsdp_training.cockpit_on_rank0_only,
+                "fsdp_meshes": fsdp_training.norms_over_two_meshes,
             }
             result = job[config["job"]](config, rank, rank_sizes)
         else:

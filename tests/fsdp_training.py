@@ -322,6 +322,27 @@ def foreach_over_a_mix(config, rank=0, rank_sizes=None):
     }
 
 
+def norms_over_two_meshes(config, rank=0, rank_sizes=None):
+    """``fsdp.norms`` and ``fsdp.summed_squares`` of tensors sharded over two sets of processes
+    (4 ranks: one tensor over all, one over each half's own, HSDP's shard dimension alone), with
+    the norms of the full tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cockpit_fast.fsdp import local_part, norms, summed_squares
+
+    every = init_device_mesh("cpu", (dist.get_world_size(),))
+    halves = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replica", "shard"))["shard"]
+    torch.manual_seed(0)  # the same full tensors in every process
+    full = [torch.randn(6, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64), torch.randn(7, 2, dtype=torch.float64)]
+    params = [distribute_tensor(full[0], halves, [Shard(0)]), full[1], distribute_tensor(full[2], every, [Shard(0)])]
+    return {
+        "norms": norms(params),
+        "summed squares": summed_squares([[local_part(t, p) for t, p in zip(full, params)]], params),
+        "expected": [t.norm() for t in full],
+    }
+
+
 
 def cockpit_on_rank0_only(config, rank=0, rank_sizes=None):
     """Steps of GPT-2 under FSDP2 where rank 0 alone makes a cockpit of ``config["quantities"]``

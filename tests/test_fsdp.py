@@ -163,3 +163,12 @@ def test_one_foreach_call_or_one_per_tensor_where_shards_stand_beside_plain_tens
             assert torch.equal(got, expected), rank
         assert torch.allclose(torch.stack(said["norms"]), torch.stack([e.norm() for e in said["expected"]]), rtol=1e-12), rank
 
+
+
+def test_norms_of_shards_on_two_sets_of_processes_are_summed_over_each_one_s_own(tmp_path):
+    # One tensor sharded over all 4 ranks, one over each half's 2 (a 1-D submesh): each one's
+    # parts are summed over its own processes, one collective for each set.
+    for rank, said in enumerate(run_group([1, 1, 1, 1], {"job": "fsdp_meshes"}, tmp_path)):
+        expected = torch.stack(said["expected"])
+        assert torch.allclose(torch.stack(said["norms"]), expected, rtol=1e-12), rank
+        assert torch.allclose(said["summed squares"], expected.square().sum(), rtol=1e-12), rank
