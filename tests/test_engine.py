@@ -1771,3 +1771,28 @@ def test_the_calls_of_a_step_and_their_graph_are_let_go_after_it():
         del losses
         gc.collect()
         assert not [o for o in gc.get_objects() if isinstance(o, Call) and o.module in list(model.modules())], step
+
+
+@pytest.mark.parametrize("modes", [("eval", "train", "train"), ("eval", "eval", "train")])
+def test_a_batch_norm_put_in_training_mode_after_the_checks_sends_the_calls_upstream_to_the_whole_graph(modes):
+    """The checks of an eval-mode step found every call module-local; a later step in training
+    mode mixes the samples of the calls upstream of the batch norm: checked again, not taken as
+    checked (the first layer's statistics were wrong with no word, in both layers)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
+    weight = model[0].weight
+    cockpit = Cockpit([weight], quantities=[quantities.NormTest(EVERY)])
+    collector = GradientMetricCollector([gm.PNorm(weight, p=2)])
+    for step, mode in enumerate(modes):
+        model.train(mode == "train")
+        x, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the whole graph's notice)
+            with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+            g = _one_pass_per_sample(losses, [weight])
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+            norms = collector(F.cross_entropy(model(x), y, reduction="none"))  # (the same batch statistics)
+        torch.testing.assert_close(torch.as_tensor(norms).flatten(), g.norm(dim=1), rtol=1e-9, atol=0)

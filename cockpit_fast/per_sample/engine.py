@@ -69,6 +69,7 @@ class Engine:
             torch._dynamo.reset()
         self.capture = Capture(self.params, unsharded)
         self._checked = weakref.WeakSet()  # modules whose calls took the checks
+        self._checked_mixing = weakref.WeakSet()  # modules that mixed their samples when the checks ran
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
         self._guessed = weakref.WeakSet()  # modules whose rows the proof showed sample-major (routed.regroup)
@@ -128,7 +129,10 @@ class Engine:
             unsure = [call for call in changed if not call.hooked_views]
             gone = set(unsure) - set(in_graph(root, unsure))
             calls = [call for call in calls if call not in gone]
-        unchecked = any(call.module not in self._checked for call in calls)
+        # A batch norm put in training mode since the checks mixes the samples of the calls upstream.
+        unchecked = any(call.module not in self._checked for call in calls) or any(
+            module not in self._checked_mixing for module in self.capture.mixing
+        )
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
             # Rows taken sample-major where the graph does not tell: on steps that prove it, or as proven.
             proven = lambda call: losses is not None and (unchecked or call.module in self._guessed)  # noqa: E731
@@ -316,6 +320,7 @@ class Engine:
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
         self._guessed.update(call.module for call in guessed if call not in mixed)
         self._checked.update(call.module for call in calls)
+        self._checked_mixing.update(self.capture.mixing)
         self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
         whole = self._whole_graph_needs(calls, tracked, batch_size, True, losses.grad_fn)
         sums.formed_after(skip=whole)
