@@ -1796,3 +1796,29 @@ def test_a_batch_norm_put_in_training_mode_after_the_checks_sends_the_calls_upst
             assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
             norms = collector(F.cross_entropy(model(x), y, reduction="none"))  # (the same batch statistics)
         torch.testing.assert_close(torch.as_tensor(norms).flatten(), g.norm(dim=1), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("layer", ["instance_norm", "legacy_spectral_norm"])
+def test_a_replay_in_training_mode_leaves_the_models_buffers_as_a_plain_step_does(layer):
+    """A call replayed with torch.func (or tried, on the checks' step) runs its module again: an
+    instance norm's running statistics, a legacy spectral norm's power iteration were updated
+    once more each time, and the model trained on differed from an untracked one."""
+    torch.manual_seed(0)
+    if layer == "instance_norm":
+        model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, affine=True, track_running_stats=True), nn.Flatten(), nn.Linear(24, 3))
+        x = torch.randn(N, 2, 8, dtype=torch.float64)
+    else:
+        model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 8)), nn.Tanh(), nn.Linear(8, 3))
+        x = torch.randn(N, 5, dtype=torch.float64)
+    model = model.double().train()
+    plain = copy.deepcopy(model)
+    y = torch.randint(0, 3, (N,))
+    losses_of = lambda m: F.cross_entropy(m(x), y, reduction="none")  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the whole graph's notice)
+        _steps_of_norm_test(list(model.parameters()), lambda step: losses_of(model), steps=2)
+        GradientMetricCollector([gm.PNorm(model, p=2)])(losses_of(model))
+    for _ in range(3):  # the same forward passes, untracked
+        losses_of(plain)
+    for (name, tracked), untracked in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(tracked, untracked), name

@@ -82,6 +82,9 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
     sliced = [leaf.narrow(d, start, n) if d is not None else leaf for leaf, d in zip(flat_inputs, in_dims)]
     cotangents = [output_grads[i].narrow(out_dims[i], start, n) for i in kept]
     detached = {name: p.detach() for name, p in params.items()}
+    # In training mode a call may update its module's buffers in place (running statistics, a
+    # spectral norm's power iteration): a replay updates copies, not the model's.
+    buffers = {name: b.clone() for name, b in module.named_buffers()} if module.training else {}
 
     def one_sample(sample_inputs, sample_cotangents):
         restored = [leaf.unsqueeze(d) if d is not None else leaf for leaf, d in zip(sample_inputs, in_dims)]
@@ -89,7 +92,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
 
         def forward(p):
             # (The parameters the call's inner calls claim are read as they are: detached below.)
-            leaves = tree_flatten(functional_call(module, p, tuple(call_args), call_kwargs, tie_weights=True))[0]
+            leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=True))[0]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
             return tuple(tensors[i].squeeze(out_dims[i]) for i in kept)
 
