@@ -1822,3 +1822,34 @@ def test_a_replay_in_training_mode_leaves_the_models_buffers_as_a_plain_step_doe
         losses_of(plain)
     for (name, tracked), untracked in zip(model.named_buffers(), plain.buffers()):
         assert torch.equal(tracked, untracked), name
+
+
+class _CalledPerSample(nn.Module):
+    """Layers called on one sample's unbatched input at a time, in a loop over the batch."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin, self.norm, self.conv, self.head = nn.Linear(width, width), nn.LayerNorm(width), nn.Conv1d(1, 2, 3), nn.Linear(2 * (width - 2), 3)
+
+    def forward(self, x):
+        rows = [self.conv(self.norm(torch.tanh(self.lin(row))).unsqueeze(0)) for row in x]  # (width,) -> (2, width - 2)
+        return self.head(torch.stack(rows).flatten(1))
+
+
+@pytest.mark.parametrize("width", [8, N])
+def test_layers_called_on_each_samples_unbatched_input_match_the_oracle(width):
+    """Their rules read dimension 0 as the samples: a Linear or LayerNorm on a 1-D input, a
+    convolution on an unbatched one crashed the backward pass; they take the generic route,
+    whose proof finds that a call holds one sample (also with as many features as samples)."""
+    torch.manual_seed(0)
+    model = _CalledPerSample(width).double()
+    x, y = torch.randn(N, width, dtype=torch.float64), torch.randint(0, 3, (N,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the whole graph's notice)
+        cockpit = _steps_of_norm_test(list(model.parameters()), lambda step: F.cross_entropy(model(x), y, reduction="none"))
+        norms = GradientMetricCollector([gm.PNorm(p, p=2) for p in model.parameters()])(F.cross_entropy(model(x), y, reduction="none"))
+    assert cockpit.routes()["head.weight"] == "module-local: Linear rule"
+    g = _oracle(model, x, y)
+    sizes = [p.numel() for p in model.parameters()]
+    expected = torch.stack([part.norm(dim=1) for part in g.split(sizes, dim=1)], 1)  # (N, metrics)
+    torch.testing.assert_close(norms, expected, rtol=1e-9, atol=1e-12)

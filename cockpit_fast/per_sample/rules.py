@@ -63,6 +63,13 @@ def _sequence(t):
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
+def _batched(x, features):
+    """Whether ``x`` holds a dimension of samples before its ``features`` last ones (a layer
+    called on one sample's unbatched input, in a loop over the batch, holds none: the rule
+    leaves such a call to the generic route, whose proof finds where its samples are)."""
+    return x.dim() > features
+
+
 def _bias(output_grad, channel_dim=-1):
     """Per-sample bias gradients: the output gradient summed over everything but N and channels."""
     g = output_grad.movedim(channel_dim, -1)
@@ -71,6 +78,8 @@ def _bias(output_grad, channel_dim=-1):
 
 @register_rule(nn.Linear)
 def linear(module, inputs, output_grad):
+    if not _batched(inputs[0], 1):
+        return None
     grads = {"weight": FactoredGrads(_sequence(output_grad), _sequence(inputs[0]), module.weight.shape)}
     if module.bias is not None:
         grads["bias"] = _bias(output_grad)
@@ -79,6 +88,8 @@ def linear(module, inputs, output_grad):
 
 @register_rule("transformers.pytorch_utils.Conv1D")
 def hf_conv1d(module, inputs, output_grad):
+    if not _batched(inputs[0], 1):
+        return None
     # x @ weight + bias with weight (in, out): the transposed Linear.
     grads = {"weight": FactoredGrads(_sequence(inputs[0]), _sequence(output_grad), module.weight.shape)}
     if module.bias is not None:
@@ -94,6 +105,8 @@ def _padded_input(module, x):
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, channel_first=True)
 def convolution(module, inputs, output_grad):
+    if not _batched(inputs[0], len(module.kernel_size) + 1):
+        return None
     x = _padded_input(module, inputs[0])
     kernel_size = module.in_channels // module.groups * math.prod(module.kernel_size)
     positions = math.prod(output_grad.shape[2:])
@@ -152,12 +165,16 @@ def _summed_to(t, shape, channel_dim):
 
 @register_rule(nn.LayerNorm)
 def layer_norm(module, inputs, output_grad):
+    if not _batched(inputs[0], len(module.normalized_shape)):
+        return None
     normalized = F.layer_norm(inputs[0], module.normalized_shape, eps=module.eps)
     return _affine(module, normalized, output_grad, channel_dim=-1)
 
 
 @register_rule(nn.RMSNorm)
 def rms_norm(module, inputs, output_grad):
+    if not _batched(inputs[0], len(module.normalized_shape)):
+        return None
     normalized = F.rms_norm(inputs[0], module.normalized_shape, eps=module.eps)
     return _affine(module, normalized, output_grad, channel_dim=-1)
 
