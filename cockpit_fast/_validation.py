@@ -377,9 +377,9 @@ def check_info(info):
     quantities read have the types they read. Entries of other names are left to the user's own
     quantities.
 
-    * ``loss``: the mini-batch loss, a tensor of one element (0-d or not);
+    * ``loss``: the mini-batch loss, a floating-point tensor of one element (0-d or not);
     * ``batch_size``: a Python or NumPy integer or a 0-d integer tensor, at least 0;
-    * ``individual_losses``: every sample's loss, a tensor of shape (N,) or (N, 1);
+    * ``individual_losses``: every sample's loss, a floating-point tensor of shape (N,) or (N, 1);
     * ``optimizer``: a ``torch.optim.Optimizer``;
     * ``grad_scaler``: a ``torch.amp.GradScaler`` (anything with ``get_scale()``) whose scaled
       loss the backward pass runs on.
@@ -396,8 +396,8 @@ def check_info(info):
             f"'optimizer', got {_given(info)}"
         )
     _check_info_tensor(
-        info, "loss", "the scalar mini-batch loss (the one backward() is called on)", "one element",
-        lambda loss: loss.numel() == 1,
+        info, "loss", "the scalar mini-batch loss (the one backward() is called on)", "one floating-point element",
+        lambda loss: loss.numel() == 1 and loss.is_floating_point(),
     )
     if "batch_size" in info:
         batch_size = _as_integer(info["batch_size"])
@@ -410,7 +410,8 @@ def check_info(info):
             raise ValueError(f"info['batch_size'] must be at least 0, got {batch_size}")
     _check_info_tensor(
         info, "individual_losses", "every sample's loss (the loss function with reduction='none')",
-        "shape (N,) or (N, 1)", lambda losses: losses.dim() == 1 or (losses.dim() == 2 and losses.shape[1] == 1),
+        "floating point, of shape (N,) or (N, 1)",
+        lambda losses: losses.is_floating_point() and (losses.dim() == 1 or (losses.dim() == 2 and losses.shape[1] == 1)),
     )
     if "optimizer" in info and not isinstance(info["optimizer"], torch.optim.Optimizer):
         raise TypeError(f"info['optimizer'] must be a torch.optim.Optimizer, got {_given(info['optimizer'])}")

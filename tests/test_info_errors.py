@@ -39,7 +39,8 @@ def cockpit_and_info():
 WRONG_INFO = [
     ("info a list", lambda info: list(info.values()), TypeError, r"^info must be a dict .*, got list$"),
     ("loss a float", lambda info: {**info, "loss": info["loss"].item()}, TypeError, r"^info\['loss'\] .*tensor.*, got float 1\.\d+$"),
-    ("loss of every sample", lambda info: {**info, "loss": info["individual_losses"]}, ValueError, r"^info\['loss'\] must be the scalar .*a tensor of one element, got .* of shape \(6,\)$"),
+    ("loss of every sample", lambda info: {**info, "loss": info["individual_losses"]}, ValueError, r"^info\['loss'\] must be the scalar .*a tensor of one floating-point element, got .* of shape \(6,\)$"),
+    ("loss an integer", lambda info: {**info, "loss": info["loss"].round().long()}, ValueError, r"^info\['loss'\] .*a tensor of one floating-point element, got a int64 tensor of shape \(\)$"),
     ("batch_size a string", lambda info: {**info, "batch_size": "6"}, TypeError, r"^info\['batch_size'\] must be an integer .*, got str '6'$"),
     ("batch_size a float", lambda info: {**info, "batch_size": 6.0}, TypeError, r"^info\['batch_size'\] must be an integer .*, got float 6\.0$"),
     ("batch_size a float tensor", lambda info: {**info, "batch_size": torch.tensor(6.0)}, TypeError, r"^info\['batch_size'\] .*, got a float32 tensor of shape \(\)$"),
@@ -47,8 +48,9 @@ WRONG_INFO = [
     ("individual_losses a list", lambda info: {**info, "individual_losses": info["individual_losses"].tolist()}, TypeError, r"^info\['individual_losses'\] must be every sample's loss .* as a tensor, got list$"),
     ("individual_losses a numpy array", lambda info: {**info, "individual_losses": info["individual_losses"].detach().numpy()}, TypeError, r"^info\['individual_losses'\] must be every sample's loss .* as a tensor, got numpy\.ndarray$"),
     ("individual_losses a list of tensors", lambda info: {**info, "individual_losses": list(info["individual_losses"])}, TypeError, r"^info\['individual_losses'\] must be every sample's loss .* as a tensor, got list$"),
-    ("individual_losses (N, 2)", lambda info: {**info, "individual_losses": info["individual_losses"][:, None].expand(N, 2)}, ValueError, r"^info\['individual_losses'\] .*a tensor of shape \(N,\) or \(N, 1\), got .* of shape \(6, 2\)$"),
-    ("individual_losses one number", lambda info: {**info, "individual_losses": info["loss"]}, ValueError, r"^info\['individual_losses'\] .*a tensor of shape \(N,\) or \(N, 1\), got .* of shape \(\)$"),
+    ("individual_losses (N, 2)", lambda info: {**info, "individual_losses": info["individual_losses"][:, None].expand(N, 2)}, ValueError, r"^info\['individual_losses'\] .*a tensor of floating point, of shape \(N,\) or \(N, 1\), got .* of shape \(6, 2\)$"),
+    ("individual_losses integers", lambda info: {**info, "individual_losses": (10 * info["individual_losses"]).long()}, ValueError, r"^info\['individual_losses'\] .*floating point, of shape \(N,\) or \(N, 1\), got a int64 tensor of shape \(6,\)$"),
+    ("individual_losses one number", lambda info: {**info, "individual_losses": info["loss"]}, ValueError, r"^info\['individual_losses'\] .*floating point, of shape \(N,\) or \(N, 1\), got .* of shape \(\)$"),
     ("optimizer a name", lambda info: {**info, "optimizer": "sgd"}, TypeError, r"^info\['optimizer'\] must be a torch\.optim\.Optimizer, got str 'sgd'$"),
     ("optimizer its state", lambda info: {**info, "optimizer": info["optimizer"].state_dict()}, TypeError, r"^info\['optimizer'\] must be a torch\.optim\.Optimizer, got dict$"),
 ]
