@@ -125,8 +125,25 @@ class Cockpit:
         self._mean_checked = False  # the first step with per-sample statistics checks info's loss
         self._said_unreached = False  # a step whose backward passes did not reach some tracked parameters
         self._last_step = None  # the step last tracked or not: whether steps come one after another
+        self._last_tracked = None  # the step whose quantities last tracked it to the end
         self._learning_rates = {}  # step -> info['optimizer']'s learning rate
         self._met = False  # whether the processes' cockpits met before their first exchange
+        self._param_kinds = None  # (dtype, device) of each parameter at the last step
+
+    def _refuse_converted_params(self, step):
+        """A parameter converted or moved since the last step (``model.double()`` mid-run): what
+        the quantities keep from earlier steps (Distance's start, Alpha's update) is in its old
+        dtype and place."""
+        kinds = [(p.dtype, p.device) for p in self.params]
+        if self._param_kinds is not None and kinds != self._param_kinds:
+            index, (was, now) = next((i, pair) for i, pair in enumerate(zip(self._param_kinds, kinds)) if pair[0] != pair[1])
+            raise ValueError(
+                f"[Step {step}] tracked parameter {index} is {str(now[0]).removeprefix('torch.')} on {now[1]}, and was "
+                f"{str(was[0]).removeprefix('torch.')} on {was[1]} at an earlier step (the model converted or moved after "
+                "the cockpit's first step: what the quantities keep from earlier steps is in the old dtype and place): "
+                "convert or move the model before the first tracked step, or make a new cockpit"
+            )
+        self._param_kinds = kinds
 
     def add(self, quantity):
         """Track ``quantity`` too.
@@ -198,6 +215,14 @@ class Cockpit:
                 f"tracked parameters {frozen} were frozen (requires_grad=False) after the cockpit was made: a "
                 "cockpit tracks the parameters it was made with; make a new one for the trainable parameters"
             )
+        if self._last_tracked is not None and global_step <= self._last_tracked:
+            warnings.warn(
+                f"[Step {global_step}] comes after step {self._last_tracked} was tracked: step numbers must grow from "
+                "step to step (a step tracked again replaces its output, and Distance, UpdateSize and Alpha read "
+                "their values from the wrong steps)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         info = {} if info is None else info
         if "optimizer" in info:
             self._optimizer_name = type(info["optimizer"]).__name__
@@ -249,6 +274,7 @@ class Cockpit:
             for q in late:
                 q._track_step(ctx)
         self._steps_since_output += 1
+        self._last_tracked = ctx.global_step
         if self._stream is not None:
             self._stream_finished(ctx.global_step)
         elif self._steps_since_output >= self.CPU_OUTPUT_EVERY and all(p.device.type == "cpu" for p in self.params):
@@ -489,6 +515,7 @@ class Cockpit:
             self._nan_loss._first = torch.tensor(first, dtype=torch.long, device=device)
             self._nan_loss._count = torch.tensor(count, dtype=torch.long, device=device)
         self._steps_since_output = state["steps_since_output"]
+        self._last_tracked = None  # (the run goes on from the checkpoint's step)
         self._mean_checked = state["mean_checked"]
         if state["optimizer_name"] is not None:
             self._optimizer_name = state["optimizer_name"]
@@ -627,6 +654,7 @@ class _TrackedBackward:
     def __enter__(self):
         cockpit, plan = self._cockpit, self._plan
         refuse_fsdp1(cockpit.params)  # (wrapped after the cockpit was made)
+        cockpit._refuse_converted_params(plan.global_step)
         if not cockpit._met and (plan.group is not None or (cockpit.process_group is not None and cockpit._unsharded.active)):
             # Before any collective: the step's, or FSDP2's engine passes and sums of shards.
             meet(cockpit.process_group, cockpit._tracked(), plan.global_step)

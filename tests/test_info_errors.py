@@ -3,6 +3,8 @@ curvature quantities on a model that ``backpack.extend`` never prepared. Each is
 TypeError or ValueError naming the entry (or the quantity), what was expected and what was given;
 wrong ``info`` is refused at the ``with cockpit(...)`` call, before the backward pass."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,45 @@ def test_a_curvature_from_a_loss_backpack_did_not_extend_says_to_extend_it():
     # BackPACK's own error: "expects a backpropagation quantity but it is None", from inside.
     with pytest.raises(ValueError, match=r"^HessTrace, TICDiag need BackPACK's curvatures.*extend\(nn\.CrossEntropyLoss\(\)\)"):
         curvature_step(configuration("business"), "the model")
+
+
+def test_a_model_converted_after_the_first_step_is_refused_naming_the_parameter_and_the_fix():
+    # What the quantities keep from step 0 is float32: step 1 crashed in a product of two dtypes.
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    model.double()  # before the first step: nothing kept yet
+    losses_of = lambda outputs, labels: torch.nn.functional.cross_entropy(outputs, labels, reduction="none")  # noqa: E731
+    x, y = batch()
+    training_step(model, optimizer, (x.double(), y), losses_of, cockpit=cockpit, step=0)
+    model.float()
+    with pytest.raises(ValueError, match=r"^\[Step 1\] tracked parameter 0 is float32 on cpu, and was float64 on cpu at an earlier step .*convert or move the model before the first tracked step"):
+        training_step(model, optimizer, (x, y), losses_of, cockpit=cockpit, step=1)
+
+
+@pytest.mark.parametrize("steps", [[0, 0], [0, 2, 1]])
+def test_a_step_number_that_repeats_or_goes_back_is_warned_of(steps):
+    # Its output replaced that step's, and Distance restarted from it, with no word.
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.Distance(linear(1)), quantities.GradNorm(linear(1))])
+    losses_of = lambda outputs, labels: torch.nn.functional.cross_entropy(outputs, labels, reduction="none")  # noqa: E731
+    for step in steps[:-1]:
+        training_step(model, optimizer, batch(), losses_of, cockpit=cockpit, step=step)
+    with pytest.warns(RuntimeWarning, match=rf"^\[Step {steps[-1]}\] comes after step {steps[-2]} was tracked: step numbers must grow"):
+        training_step(model, optimizer, batch(), losses_of, cockpit=cockpit, step=steps[-1])
+
+
+def test_a_step_retried_after_its_block_failed_is_no_repeat():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(linear(1))])
+    x, y = batch()
+    with pytest.raises(ZeroDivisionError):
+        with cockpit(0, info={"batch_size": N}):
+            1 / 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses_of = lambda outputs, labels: torch.nn.functional.cross_entropy(outputs, labels, reduction="none")  # noqa: E731
+        training_step(model, optimizer, (x, y), losses_of, cockpit=cockpit, step=0)
+    assert "GradNorm" in cockpit.get_output()[0]
