@@ -300,11 +300,11 @@ def test_alpha_with_sgd_takes_a_tensor_learning_rate_beside_a_float_one():
     assert_same_output(alpha(torch.tensor(0.1)), expected, rtol=1e-6, atol=0)
 
 
-def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1), every=1):
+def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1), every=1, inside=False):
     """Alpha over ``2 * every + 1`` steps of a small MLP, tracked every ``every`` steps, whose
-    ``make_optimizers(model)`` all step (after ``after_block(model)``), the cockpit told of
-    optimizer ``told`` (None: of none, so it keeps the parameters: exact for any update);
-    ``steps``: those with a value."""
+    ``make_optimizers(model)`` all step (after ``after_block(model)``; ``inside``: inside the
+    ``with`` block, after the backward pass), the cockpit told of optimizer ``told`` (None: of
+    none, so it keeps the parameters: exact for any update); ``steps``: those with a value."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
     optimizers = make_optimizers(model)
@@ -320,14 +320,33 @@ def _alpha_of(make_optimizers, told=0, after_block=None, steps=(0, 1), every=1):
             warnings.filterwarnings("ignore", "No 'optimizer' handed in")
             with cp(step, info=info):
                 individual.mean().backward()
-        if after_block is not None:
-            after_block(model)
+                if inside:
+                    _step(model, optimizers, after_block)
+        if not inside:
+            _step(model, optimizers, after_block)
         for opt in optimizers:
-            opt.step()
             opt.zero_grad()
     output = cp.get_output()
     assert sorted(step for step, values in output.items() if "Alpha" in values) == list(steps)
     return output
+
+
+def _step(model, optimizers, before=None):
+    if before is not None:
+        before(model)
+    for opt in optimizers:
+        opt.step()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
+def test_an_optimizer_stepping_inside_the_block_gets_the_alpha_of_one_stepping_after_it(optimizer):
+    # The start was observed after the update: Adam's kept parameters were those after it (NaN:
+    # "the two observations were at the same point"); SGD's check waited for the next step's
+    # gradients ("SGD stepped with another gradient", no value on any step).
+    make = lambda model: [optimizer(model.parameters(), lr=0.05)]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_output(_alpha_of(make, inside=True), _alpha_of(make), rtol=1e-9, atol=0)
 
 
 def test_alpha_with_sgd_that_maximizes_matches_the_kept_parameters():

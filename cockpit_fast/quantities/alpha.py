@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from cockpit_fast.fsdp import each, gathered, is_sharded, local_part, reduction_dtypes, summed_squares
 from cockpit_fast.per_sample.capture import outside_autocast
@@ -78,6 +78,7 @@ class Alpha(FastQuantity):
         if self.is_start(step):
             start = _StartPoint(self._sgd_learning_rates(ctx))
             self._starts.put(step, start)
+            start.watch_inside(ctx.params)
             wanted.add(DOT_MEAN_GRAD if start.sgd else GRAD_BATCH)
         return wanted
 
@@ -220,6 +221,8 @@ class _StartPoint:
         self._handed = None  # SGD: {id(param): (index, param, its gradient weakly, that one's version)} at the step's end
         self.gradient_changed = False  # SGD stepped with another gradient than the step's
         self._compare_every = False  # compare every gradient SGD steps with, not only those changed
+        self._inside = None  # the parameters, while the step's `with` block is open
+        self._stepped_from = None  # an optimizer's step inside that block: SGD's gradients, or the parameters
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
@@ -256,6 +259,24 @@ class _StartPoint:
             dots[i] = self.grad_batch[i].dot(self.directions[i])
         self.kept_dots, self.grad_batch, self.params = dots, None, None
 
+    def watch_inside(self, params):
+        """Until :meth:`observe`, at the end of the step's ``with`` block: an optimizer owning
+        ``params`` that steps inside the block steps before the start is observed; keep what
+        it steps from (:meth:`before_step_inside`)."""
+        self._inside = list(params)
+        _watch_optimizer_steps()
+        _INSIDE.add(self)
+
+    def before_step_inside(self, owned):
+        """An optimizer owning the parameters of ids ``owned`` is about to step inside the
+        block: keep the gradients plain SGD steps with, or the parameters it steps from."""
+        if self._stepped_from is not None or not {id(p) for p in self._inside} <= owned:
+            return
+        if self.sgd:
+            self._stepped_from = [p.grad for p in self._inside]
+        else:  # (FSDP2's shards gathered, as observe() takes them)
+            self._stepped_from = [value.clone() for _, value in gathered(p.detach() for p in self._inside)]
+
     def _check_sgd_gradients(self, params, rank_sizes):
         """Check, once SGD has stepped, that it stepped with this step's gradients (a trainer may
         clip them after the ``with`` block): else the update is not the one observed. Where the
@@ -281,40 +302,57 @@ class _StartPoint:
         if not self._handed:
             _CHECKING.discard(self)
         if moved and not self.gradient_changed:
-            grads = [param.grad for _, param in moved]
-            if any(grad is None for grad in grads):
-                self.gradient_changed = True
-                return
-            # Each process's parts (FSDP2's shards; the directions are full values), then norms over processes.
-            params = [param for _, param in moved]
-            now = _scaled([local_part(g, p) for g, p in zip(grads, params)], [-self._learning_rates[id(p)] for p in params])
-            kept = [local_part(self.directions[i], param) for i, param in moved]
-            off, size = summed_squares([torch._foreach_sub(now, kept), kept], params)
-            # (FSDP2 may reduce in bfloat16: its rounding, relative to the gradient's norm, is no change.)
-            rounding = max((torch.finfo(d).eps for d in reduction_dtypes(params).values()), default=0.0)
-            self.gradient_changed = bool(off > max(SAME_UPDATE, 2 * rounding) ** 2 * size)
+            self._compare_stepped(moved, [param.grad for _, param in moved])
+
+    def _compare_stepped(self, moved, grads):
+        """Whether SGD stepped with ``grads`` for the ``(index, param)`` pairs ``moved``: else
+        :attr:`gradient_changed`."""
+        if any(grad is None for grad in grads):
+            self.gradient_changed = True
+            return
+        if not moved:
+            return
+        # Each process's parts (FSDP2's shards; the directions are full values), then norms over processes.
+        params = [param for _, param in moved]
+        now = _scaled([local_part(g, p) for g, p in zip(grads, params)], [-self._learning_rates[id(p)] for p in params])
+        kept = [local_part(self.directions[i], param) for i, param in moved]
+        off, size = summed_squares([torch._foreach_sub(now, kept), kept], params)
+        # (FSDP2 may reduce in bfloat16: its rounding, relative to the gradient's norm, is no change.)
+        rounding = max((torch.finfo(d).eps for d in reduction_dtypes(params).values()), default=0.0)
+        self.gradient_changed = bool(off > max(SAME_UPDATE, 2 * rounding) ** 2 * size)
 
     def stop_watching(self):
         """Stop watching the optimizer and the module calls (the end has come, or will not)."""
         _WAITING.discard(self)
         _CHECKING.discard(self)
+        _INSIDE.discard(self)
 
     def observe(self, ctx, quantity):
         """Take the start's loss information and update (plain SGD's, -lr times the gradient)
         or, without SGD, what to project at the end."""
         dots = None
+        _INSIDE.discard(self)
+        stepped_from, self._stepped_from = self._stepped_from, None
         if self.sgd:
             steps = [-self._learning_rates[id(p)] for p in ctx.params]
             self.directions = dict(enumerate(_scaled(ctx.grads(), steps)))
             dots = sum_of(_scaled(ctx.per_param(DOT_MEAN_GRAD), steps))
-            self._check_sgd_gradients(ctx.params, ctx.rank_sizes)
+            if stepped_from is None:
+                self._check_sgd_gradients(ctx.params, ctx.rank_sizes)
+            else:  # SGD stepped inside the block: with these gradients?
+                stepped = [(i, p) for i, p in enumerate(ctx.params) if stepped_from[i] is not None]
+                self._compare_stepped(stepped, [stepped_from[i] for i, _ in stepped])
         self.observation = _Observation(ctx, quantity, dots)
         self.rank_sizes, self.rank_share = ctx.rank_sizes, ctx.rank_share
         if not self.sgd:
             # (FSDP2's shards gathered: the end's direction reads each parameter's values)
-            self.params = [value.clone() for _, value in gathered(p.detach() for p in ctx.params)]
+            self.params = stepped_from or [value.clone() for _, value in gathered(p.detach() for p in ctx.params)]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
             self._watch_optimizer(ctx.params)
+            if stepped_from is not None:  # the update is known now
+                self._stepped = True
+                with torch.no_grad():
+                    self.project_if_stepped()
 
     def state_dict(self):
         """What the end needs, in plain types and CPU tensors (the learning rates served
@@ -364,14 +402,29 @@ _WAITING = weakref.WeakSet()
 """The starts waiting for their update (weakly: a cockpit let go takes its own)."""
 _CHECKING = weakref.WeakSet()
 """The SGD starts whose gradients are checked when SGD steps."""
+_INSIDE = weakref.WeakSet()
+"""The starts whose step's ``with`` block is open (an optimizer may step inside it)."""
 _watching = []
 _next_module_call = []
 
 
 def _watch_optimizer_steps():
-    """Register :func:`_optimizer_stepped` for every optimizer's steps, once a process."""
+    """Register :func:`_optimizer_steps` and :func:`_optimizer_stepped` for every optimizer's
+    steps, once a process."""
     if not _watching:
+        _watching.append(register_optimizer_step_pre_hook(_optimizer_steps))
         _watching.append(register_optimizer_step_post_hook(_optimizer_stepped))
+
+
+@torch.compiler.disable
+def _optimizer_steps(optimizer, args, kwargs):
+    """Before any optimizer's step: the starts whose ``with`` block is open and whose parameters
+    it owns keep what it steps from (a step inside the block comes before their observation)."""
+    if not _INSIDE:
+        return
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for start in list(_INSIDE):
+        start.before_step_inside(owned)
 
 
 @torch.compiler.disable  # (a compiled function stepping the optimizer runs the hooks too)
