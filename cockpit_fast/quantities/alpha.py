@@ -223,6 +223,7 @@ class _StartPoint:
         self._compare_every = False  # compare every gradient SGD steps with, not only those changed
         self._inside = None  # the parameters, while the step's `with` block is open
         self._stepped_from = None  # an optimizer's step inside that block: SGD's gradients, or the parameters
+        self._stepped_inside = False  # whether that step ended inside the block (not only began: a closure's)
 
     def direction(self, hot):
         """The update of one parameter, in the end's hook (the optimizer has stepped by then)."""
@@ -262,20 +263,26 @@ class _StartPoint:
     def watch_inside(self, params):
         """Until :meth:`observe`, at the end of the step's ``with`` block: an optimizer owning
         ``params`` that steps inside the block steps before the start is observed; keep what
-        it steps from (:meth:`before_step_inside`)."""
+        it steps from (:meth:`before_step_inside`, :meth:`after_step_inside`)."""
         self._inside = list(params)
         _watch_optimizer_steps()
         _INSIDE.add(self)
 
     def before_step_inside(self, owned):
         """An optimizer owning the parameters of ids ``owned`` is about to step inside the
-        block: keep the gradients plain SGD steps with, or the parameters it steps from."""
+        block: keep the gradients plain SGD steps with, or the parameters it steps from. (A
+        step with a closure, as Lightning's, may run the block's end inside it: the step counts
+        once it has ended, :meth:`after_step_inside`.)"""
         if self._stepped_from is not None or not {id(p) for p in self._inside} <= owned:
             return
         if self.sgd:
             self._stepped_from = [p.grad for p in self._inside]
         else:  # (FSDP2's shards gathered, as observe() takes them)
             self._stepped_from = [value.clone() for _, value in gathered(p.detach() for p in self._inside)]
+
+    def after_step_inside(self, owned):
+        """An optimizer owning the parameters of ids ``owned`` has stepped inside the block."""
+        self._stepped_inside |= self._stepped_from is not None and {id(p) for p in self._inside} <= owned
 
     def _check_sgd_gradients(self, params, rank_sizes):
         """Check, once SGD has stepped, that it stepped with this step's gradients (a trainer may
@@ -332,7 +339,8 @@ class _StartPoint:
         or, without SGD, what to project at the end."""
         dots = None
         _INSIDE.discard(self)
-        stepped_from, self._stepped_from = self._stepped_from, None
+        stepped_from = self._stepped_from if self._stepped_inside else None
+        self._stepped_from = None
         if self.sgd:
             steps = [-self._learning_rates[id(p)] for p in ctx.params]
             self.directions = dict(enumerate(_scaled(ctx.grads(), steps)))
@@ -430,11 +438,14 @@ def _optimizer_steps(optimizer, args, kwargs):
 @torch.compiler.disable  # (a compiled function stepping the optimizer runs the hooks too)
 def _optimizer_stepped(optimizer, args, kwargs):
     """After any optimizer's step (a wrapper's, as Accelerate's or Lightning's, steps the one
-    it wraps, which this sees): the SGD starts whose parameters it owns check the gradients it
-    stepped with; the waiting starts whose parameters it owns project at the next module call."""
-    if not _WAITING and not _CHECKING:
+    it wraps, which this sees): the starts whose block is open take it as a step inside it; the
+    SGD starts whose parameters it owns check the gradients it stepped with; the waiting starts
+    whose parameters it owns project at the next module call."""
+    if not _WAITING and not _CHECKING and not _INSIDE:
         return
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for start in list(_INSIDE):
+        start.after_step_inside(owned)
     for start in list(_CHECKING):
         start.check_stepped_gradients(owned)
     stepped = [start.optimizer_stepped(owned) for start in list(_WAITING)]
