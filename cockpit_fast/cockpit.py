@@ -839,11 +839,12 @@ class _TrackedBackward:
             )
         if passes > 1 and plan.requests:
             raise ValueError(
-                f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'} (gradient "
-                f"accumulation?): {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`. (LBFGS, whose step evaluates "
-                "its closure several times: run one closure's backward pass inside the block, the step after it. A "
-                "custom autograd.Function whose backward runs one of its own, as Reformer's reversible layers: per-sample "
-                "gradients cannot be computed through it)"
+                f"{passes} backward passes ran for one {'micro-batch' if self._micro else 'step'}: for gradient "
+                f"accumulation, {_MICRO_BATCH_ORDER}, in `with cockpit(...) as tracked:`; for LBFGS, whose step "
+                "evaluates its closure several times, run one closure's backward pass inside the block, the step after "
+                "it. A custom autograd.Function whose backward runs one of its own (a reversible layer recomputing its "
+                "inputs, as Reformer's; a hand-made checkpoint) counts too: per-sample gradients cannot be computed "
+                "through it"
             )
         if self._stream_error is not None:
             raise self._stream_error

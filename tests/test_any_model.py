@@ -346,7 +346,7 @@ def test_a_backward_pass_run_inside_a_backward_node_is_a_clear_error(info_losses
     x, y = torch.randn(N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
     message = r"\(inner.weight, inner.bias\) cannot be computed: .* a custom autograd.Function's backward runs a backward pass"
     if not info_losses:
-        message = "backward passes ran for one step .* A custom autograd.Function whose backward runs one of its own"
+        message = "backward passes ran for one step: .* A custom autograd.Function whose backward runs one of its own"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the inner layer's call cannot be replayed: the whole graph)
         with pytest.raises(ValueError, match=message):
