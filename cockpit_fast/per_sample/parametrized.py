@@ -31,7 +31,7 @@ from torch.nn.utils.parametrizations import _WeightNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from cockpit_fast.per_sample import grads
-from cockpit_fast.per_sample.grads import PerSampleGrads
+from cockpit_fast.per_sample.grads import FactoredGrads, PerSampleGrads
 
 PREFIX = "parametrizations."
 
@@ -149,18 +149,32 @@ class WeightNormVjp:
             self._along[id(form)] = None if found is None else found.reshape(-1, *self.g_shape)
         return self._along[id(form)]
 
-    def __call__(self, cotangents, in_place, along=None):
+    def __call__(self, cotangents, in_place, along=None, scaled=False):
         """``{name: (c, *shape)}``; ``in_place``: ``cotangents`` may be overwritten; ``along``:
-        their :meth:`along` if known (else read from them, a product as large as they are)."""
+        their :meth:`along` if known (else read from them, a product as large as they are);
+        ``scaled``: ``cotangents`` come with ``g / ||v||`` in them (:meth:`scaled_range`)."""
         if along is None:
             along = (cotangents * self.direction).sum([d + 1 for d in self.summed])
         along = along.to(cotangents.dtype)
         by_norm = along.reshape(-1, *self.scale.shape)
         grad_v = cotangents.addcmul_ if in_place else partial(torch.addcmul, cotangents)
-        return {
-            self.g_name: self.of_g(along, cotangents.dtype),
-            self.v_name: grad_v(self.direction, by_norm, value=-1).mul_(self.scale),
-        }
+        if scaled:
+            grad = grad_v(self.direction, by_norm * self.scale, value=-1)
+        else:
+            grad = grad_v(self.direction, by_norm, value=-1).mul_(self.scale)
+        return {self.g_name: self.of_g(along, cotangents.dtype), self.v_name: grad}
+
+    def scaled_range(self, form, start, stop, scratch):
+        """The gradients ``G_n`` of samples ``start`` to ``stop`` of ``form`` times ``g / ||v||``
+        (in ``scratch`` where given), formed with the scale in the factor of the rows it
+        scales: no pass over them of its own. None where ``form`` is no weight's factors whose
+        rows the norms keep."""
+        if type(form) is not FactoredGrads or self.kept != 0 or form.left_size != self.scale.shape[0]:
+            return None
+        dtype = torch.promote_types(torch.promote_types(form.left.dtype, form.right.dtype), self.scale.dtype)
+        left, right = (factor[start:stop].to(dtype) for factor in (form.left, form.right))
+        part = FactoredGrads(left * self.scale.reshape(-1), right, form.shape)
+        return part.dense_range(0, stop - start) if scratch is None else part.range_in(0, stop - start, scratch)
 
     def of_g(self, along, dtype):
         """``g``'s gradients (a new tensor) from their :meth:`along`: no cotangent needed."""
@@ -228,6 +242,9 @@ class Linearized:
             return self._closed_vjp.of_g(along[start:stop], self.tensor.dtype)
         if along is None and len(self._wanted) > 1:
             scratch = None  # the other parameters' gradients are kept for their turn: not in memory the next chunk takes
+        scaled = None if along is None else self._closed_vjp.scaled_range(form, start, stop, scratch)
+        if scaled is not None:  # (fresh, in the dtype of the closed form's tensors)
+            return self._closed_vjp(scaled, True, along[start:stop], scaled=True)[name]
         cotangents = form.dense_range(start, stop) if scratch is None else form.range_in(start, stop, scratch)
         found = self.vjp(cotangents, form.FRESH_RANGES, None if along is None else along[start:stop])
         kept_for_their_turn = found if along is None else {}  # (with along, g's come from it at its turn)
