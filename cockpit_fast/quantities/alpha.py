@@ -356,9 +356,10 @@ class _StartPoint:
             # (FSDP2's shards gathered: the end's direction reads each parameter's values)
             self.params = stepped_from or [value.clone() for _, value in gathered(p.detach() for p in ctx.params)]
             self.grad_batch = ctx.per_param(GRAD_BATCH)
-            self._watch_optimizer(ctx.params)
-            if stepped_from is not None:  # the update is known now
-                self._stepped = True
+            if stepped_from is None:
+                self._watch_optimizer(ctx.params)
+            else:  # the update is known now: no step to wait for
+                self._tracked, self._stepped = ctx.params, True
                 with torch.no_grad():
                     self.project_if_stepped()
 
