@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
 from any_models import build, flat, oracle_grads
 from cockpit_fast import Cockpit, quantities
@@ -1822,6 +1823,62 @@ def test_a_replay_in_training_mode_leaves_the_models_buffers_as_a_plain_step_doe
         losses_of(plain)
     for (name, tracked), untracked in zip(model.named_buffers(), plain.buffers()):
         assert torch.equal(tracked, untracked), name
+
+
+
+def _prune(layer):
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return 2 * torch.tanh(weight)
+
+
+# change -> (what the model has from the start, what changes it after the first step)
+_SET_UP_OTHERWISE = {
+    "pruned": (None, _prune),
+    "pruning_removed": (_prune, lambda layer: prune.remove(layer, "weight")),
+    "parametrized": (None, lambda layer: parametrize.register_parametrization(layer, "weight", _Doubled())),
+    "hooked_to_mix_the_samples": (None, lambda layer: layer.register_forward_hook(lambda m, a, out: out - out.mean(0))),
+}
+
+
+@pytest.mark.parametrize("change", list(_SET_UP_OTHERWISE))
+def test_a_module_set_up_otherwise_after_the_checks_is_checked_again(change):
+    """A module pruned, unpruned, parametrized or given a forward hook after the first step: its
+    calls kept the route the first step had checked (a pruned weight's rule ignored the mask, a
+    hook mixing the samples went unseen), and the statistics were wrong with no word, in both
+    layers (NormTest 1.2586 for 1.0950)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    before, after = _SET_UP_OTHERWISE[change]
+    if before is not None:
+        before(model[0])
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    collector = GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
+    for step in range(3):
+        if step == 1:
+            after(model[0])
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the whole graph's notice)
+            with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+            g = _one_pass_per_sample(losses, params)
+            norms = collector(F.cross_entropy(model(x), y, reduction="none"))
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
+        torch.testing.assert_close(norms.double(), expected, rtol=1e-9, atol=0, msg=f"step {step}")
+
+
+def _per_parameter(flat_grads, params):
+    """``(N, D)`` flattened gradients of ``params`` split into ``[(N, *shape)]``."""
+    sizes = [p.numel() for p in params]
+    return [part.reshape(-1, *p.shape) for part, p in zip(flat_grads.split(sizes, dim=1), params)]
 
 
 class _CalledPerSample(nn.Module):

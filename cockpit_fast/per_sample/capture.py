@@ -438,7 +438,7 @@ class Capture:
         self.unsharded = Unsharded(params) if unsharded is None else unsharded
         self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
-        self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param)] tracked within
+        self._owned = weakref.WeakKeyDictionary()  # module -> (its module_setup, [(name, owner, param)] tracked within)
         self._casts_inside = weakref.WeakKeyDictionary()  # module -> {device type: (least precise dtype of its own nodes, cuDNN's?)}
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
@@ -498,7 +498,8 @@ class Capture:
         if _replaying[0] or not torch.is_grad_enabled():
             return None
         # Whether a parameter is trained may change between steps (gradual unfreezing).
-        owned = [entry for entry in self._owned_by(module) if entry[2].requires_grad]
+        setup = module_setup(module)
+        owned = [entry for entry in self._owned_by(module, setup) if entry[2].requires_grad]
         mixing = rules.mixes_samples(module)
         if not owned and not mixing:  # nothing to see: the common case
             if self._frames:
@@ -552,6 +553,7 @@ class Capture:
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, made, time_first, inferred, layout_unknown, layout_guessed)
+        call.setup = setup
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)
@@ -589,11 +591,13 @@ class Capture:
         """Modules whose samples interact, in a graph still alive."""
         return [token.module for token in self._mixing]
 
-    def _owned_by(self, module):
+    def _owned_by(self, module, setup):
         """``[(name, owner, tracked parameter)]`` of the tracked parameters ``module`` holds
-        (under FSDP2, the unsharded tensors it holds while it runs stand for them)."""
-        if module not in self._owned:
-            self._owned[module] = [
+        (under FSDP2, the unsharded tensors it holds while it runs stand for them), as of its
+        :func:`module_setup` ``setup`` (a pruning registered since renames its weight)."""
+        found = self._owned.get(module)
+        if found is None or found[0] != setup:
+            found = self._owned[module] = setup, [
                 (name, owner, tracked)
                 for owner_name, owner in module.named_modules(remove_duplicate=False)
                 for short, p in owner.named_parameters(recurse=False)
@@ -601,7 +605,7 @@ class Capture:
                 if tracked is not None
                 for name in [f"{owner_name}.{short}" if owner_name else short]
             ]
-        return self._owned[module]
+        return found[1]
 
     def fire_broadcast(self, call, grads):
         """The output gradients of a call shared by every sample, from where it is broadcast."""
@@ -712,6 +716,14 @@ class Capture:
 HOOKED_TAG = "cockpit_fast_hooked"
 """Key of a backward node's metadata: weak references to the calls whose output gradient a hook
 on it takes (an output's node, or where a view's product's gradient arrives)."""
+
+
+def module_setup(module):
+    """What of ``module`` decides how its calls compute, beyond its class: its own parameters
+    (a pruning or a parametrization registered or removed between steps renames or moves
+    them, an assignment replaces one) and its forward hooks (one may mix the samples)."""
+    parameters = tuple((name, id(p)) for name, p in module._parameters.items())
+    return type(module), parameters, frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks)
 
 
 def _tag(node, key, call):
