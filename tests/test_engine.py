@@ -1881,6 +1881,29 @@ def _per_parameter(flat_grads, params):
     return [part.reshape(-1, *p.shape) for part, p in zip(flat_grads.split(sizes, dim=1), params)]
 
 
+def test_a_parameter_hook_that_is_not_linear_is_warned_of():
+    """A clip hooked on a parameter applies to each sample's gradient and to the mini-batch
+    gradient apart: the one does not add up to the other, and the statistics set one against
+    the other (NormTest 2.28 where the hooked samples' own mean gives 0.98) with no word. A
+    linear hook (a mask, a scale) is not warned of."""
+    torch.manual_seed(0)
+    for hook, warned in [(lambda g: g * 3, False), (lambda g: g.clamp(-0.01, 0.01), True)]:
+        model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+        model[0].weight.register_hook(hook)
+        cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+            GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
+        said = [str(w.message) for w in caught if "are not linear" in str(w.message)]
+        assert said == ([said[0]] if warned else []), said
+        if warned:
+            assert "the hooks on 1 tracked parameter (0.weight) are not linear" in said[0]
+
+
 class _CalledPerSample(nn.Module):
     """Layers called on one sample's unbatched input at a time, in a loop over the batch."""
 

@@ -160,6 +160,7 @@ class Engine:
             raise
         self.capture.arm()
         step.check = unchecked and not checks
+        step.checked = checks
         step.streams = not step.check and not self.capture.unsharded.active and not any(call.changed for call in calls)
         return step
 
@@ -250,6 +251,8 @@ class Engine:
             self._warn_of_guesses([call for call, _ in fired if call.layout_guessed], {*found, *step.taken})
             self._learn_layouts(unguessed)
             self._checked.update((call.module, call.setup) for call in unguessed)
+        if (step.check or step.checked) and grads and step.users_hooks:
+            self._warn_if_hooks_not_linear(found, grads)
         # A parameter the whole graph found unused (read in training only, say) gets no form either.
         whole = step.forms if grads is None else {key: form for key, form in step.forms.items() if key in grads}
         self._record_routes(fired, whole, {**found, **dict.fromkeys(step.taken)})
@@ -261,6 +264,7 @@ class Engine:
         losses = _sample_losses(losses)
         with self.capture.unsharded.engine_passes(True, frees_the_graph=not retain_graph, on_every_rank=True):
             step = self.begin(losses, scale)
+            step.users_hooks = False
             tracked = [p for p in self.params if p.requires_grad]
             inputs = self._in_graph(tracked)
             try:
@@ -488,6 +492,24 @@ class Engine:
                 RuntimeWarning,
             )
 
+    def _warn_if_hooks_not_linear(self, found, grads):
+        """Say once of the parameters whose hooks (``param.register_hook``) are not linear, as a
+        clip is: each sample's gradient hooked (the statistics' per-sample gradients) does not
+        add up to the mini-batch gradient hooked (the step's, which the statistics set them
+        against)."""
+        hooked = {key: found[key] for key in self.capture.hooked if key in found and key in grads}
+        sums = {key: (form.grad, form.magnitude(), form.computed_in) for key, form in hooked.items()}
+        wrong = self._sums_wrong(sums, grads) if sums else []
+        message = (
+            f"cockpit_fast: the hooks on {self._describe(wrong)} are not linear (a clip, say): each sample's gradient "
+            "hooked does not add up to the mini-batch gradient hooked, which the statistics set the samples' against "
+            "(a gradient noise from hooked samples around another mean). Clip the mini-batch gradient after the "
+            "backward pass instead (torch.nn.utils.clip_grad_value_), or track without them"
+        )
+        if wrong and message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
     def _record_routes(self, fired, whole, found):
         routes = {}
         for call, _ in fired:
@@ -578,6 +600,8 @@ class _Pass:
         self.forms = {}  # formed before the backward pass: the whole graph's
         self.sums = {}  # id -> the sum of its samples' gradients, where the checks ran before it
         self.check = False  # the sums are checked after it (no individual losses to check before)
+        self.checked = False  # the sums were checked before it (with the individual losses)
+        self.users_hooks = True  # the user's hooks on parameters run in it (not the collector's own pass)
         self.handles = []  # hooks on the graph for calls shared by every sample
         self.calls = []  # the calls of the forward pass it plans for
         self.streams = False  # take() may give forms while the backward pass runs
