@@ -1904,6 +1904,32 @@ def test_a_parameter_hook_that_is_not_linear_is_warned_of():
             assert "the hooks on 1 tracked parameter (0.weight) are not linear" in said[0]
 
 
+def test_a_module_that_changes_its_parameters_data_in_its_forward_pass_is_replayed_on_copies():
+    """A learnable fake quantizer clamps its scale's data in place in its forward pass; its
+    replay (the checks', the statistics') ran on the parameter itself, and the user's backward
+    pass then refused the step ("modified by an inplace operation"). Its numbers are checked
+    against the oracle in float32: torch's fake quantization takes no float64."""
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+    from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+    torch.manual_seed(0)
+    quantize = _LearnableFakeQuantize(MovingAverageMinMaxObserver, quant_min=0, quant_max=255, scale=0.05, zero_point=128.0)
+    quantize.enable_param_learning()
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), quantize, nn.Linear(7, 3))
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    for step in range(2):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's notice of a batching rule it lacks)
+            with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+        g = _one_pass_per_sample(losses, params).double()
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-5), step
+
+
 class _CalledPerSample(nn.Module):
     """Layers called on one sample's unbatched input at a time, in a loop over the batch."""
 

@@ -81,9 +81,10 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
     kept = [i for i, g in enumerate(output_grads) if g is not None and out_dims[i] is not None]
     sliced = [leaf.narrow(d, start, n) if d is not None else leaf for leaf, d in zip(flat_inputs, in_dims)]
     cotangents = [output_grads[i].narrow(out_dims[i], start, n) for i in kept]
-    detached = {name: p.detach() for name, p in params.items()}
-    # In training mode a call may update its module's buffers in place (running statistics, a
-    # spectral norm's power iteration): a replay updates copies, not the model's.
+    # A call may change its module's tensors in place, which the user's backward pass would then
+    # refuse: a replay changes copies. Parameters (a learnable fake quantizer clamps its scale's
+    # data), and in training mode buffers (running statistics, a spectral norm's power iteration).
+    detached = {name: p.detach().clone() for name, p in params.items()}
     buffers = {name: b.clone() for name, b in module.named_buffers()} if module.training else {}
 
     def one_sample(sample_inputs, sample_cotangents):
