@@ -1930,6 +1930,27 @@ def test_a_module_that_changes_its_parameters_data_in_its_forward_pass_is_replay
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-5), step
 
 
+def test_a_scripted_submodule_takes_the_whole_graph():
+    """A torch.jit.script-ed submodule: an AttributeError in the forward pass (its module dict
+    has no get), in both layers; now its parameters take the whole graph, which says so."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch's: jit is deprecated)
+        model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(6, 7), nn.Tanh())), nn.Linear(7, 3)).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.warns(RuntimeWarning, match=r"0\.0\.weight, 0\.0\.bias\) take the whole-graph route"):
+        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+    g = _one_pass_per_sample(losses, params)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the whole graph's notice)
+        norms = GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
+    torch.testing.assert_close(torch.as_tensor(norms).flatten().double(), g.norm(dim=1), rtol=1e-9, atol=0)
+
 class _CalledPerSample(nn.Module):
     """Layers called on one sample's unbatched input at a time, in a loop over the batch."""
 

@@ -44,7 +44,8 @@ def evaluates_a_parametrization(module, caller):
 
 def _parametrizations(module):
     """``{tensor name: ParametrizationList}`` of ``module``; {} for a module without any."""
-    lists = module._modules.get("parametrizations")  # not getattr: Module.__getattr__ is slow where it misses
+    # Not getattr: Module.__getattr__ is slow where it misses. (A ScriptModule's _modules has no get.)
+    lists = module._modules["parametrizations"] if "parametrizations" in module._modules else None
     return lists if isinstance(lists, torch.nn.ModuleDict) else {}
 
 
