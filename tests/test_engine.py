@@ -1836,31 +1836,54 @@ class _Doubled(nn.Module):
 
 
 # change -> (what the model has from the start, what changes it after the first step)
+def _center_the_batch(module):
+    module.register_forward_hook(lambda m, a, out: out - 0.5 * out.mean(0))
+
+
+class _ReadsItsChild(nn.Module):
+    """Reads ``lin``'s parameters without calling it, as nn.MultiheadAttention reads its out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(6, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(F.linear(x, self.lin.weight * 1.0, self.lin.bias)))
+
+
+# change -> (the model, a change made before the first step or None, one made after it)
 _SET_UP_OTHERWISE = {
-    "pruned": (None, _prune),
-    "pruning_removed": (_prune, lambda layer: prune.remove(layer, "weight")),
-    "parametrized": (None, lambda layer: parametrize.register_parametrization(layer, "weight", _Doubled())),
-    "hooked_to_mix_the_samples": (None, lambda layer: layer.register_forward_hook(lambda m, a, out: out - out.mean(0))),
+    "pruned": (None, lambda model: _prune(model[0])),
+    "pruning_removed": (lambda model: _prune(model[0]), lambda model: prune.remove(model[0], "weight")),
+    "parametrized": (None, lambda model: parametrize.register_parametrization(model[0], "weight", _Doubled())),
+    "hooked_to_mix_the_samples": (None, lambda model: _center_the_batch(model[0])),
+    "activation_hooked_to_mix_the_samples": (None, lambda model: _center_the_batch(model[1])),
+    "model_hooked_to_mix_the_samples": (None, _center_the_batch),
+    "unused_child_parametrized": (None, lambda model: parametrize.register_parametrization(model.lin, "weight", _Doubled())),
 }
 
 
 @pytest.mark.parametrize("change", list(_SET_UP_OTHERWISE))
 def test_a_module_set_up_otherwise_after_the_checks_is_checked_again(change):
-    """A module pruned, unpruned, parametrized or given a forward hook after the first step: its
-    calls kept the route the first step had checked (a pruned weight's rule ignored the mask, a
-    hook mixing the samples went unseen), and the statistics were wrong with no word, in both
-    layers (NormTest 1.2586 for 1.0950)."""
+    """A module pruned, unpruned, parametrized or given a forward hook after the first step (a
+    layer, an activation without parameters, the model; a submodule whose parent reads its
+    parameters without calling it): its calls kept the route the first step had checked (a
+    pruned weight's rule ignored the mask, a hook mixing the samples went unseen), and the
+    statistics were wrong with no word, in both layers (NormTest 1.2586 for 1.0950)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    if change.startswith("unused_child"):
+        model = _ReadsItsChild().double()
+    else:
+        model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     before, after = _SET_UP_OTHERWISE[change]
     if before is not None:
-        before(model[0])
+        before(model)
     params = list(model.parameters())
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     collector = GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
     for step in range(3):
         if step == 1:
-            after(model[0])
+            after(model)
         x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
         model.zero_grad()
         losses = F.cross_entropy(model(x), y, reduction="none")
@@ -1881,24 +1904,30 @@ def _per_parameter(flat_grads, params):
     return [part.reshape(-1, *p.shape) for part, p in zip(flat_grads.split(sizes, dim=1), params)]
 
 
-def test_a_parameter_hook_that_is_not_linear_is_warned_of():
+@pytest.mark.parametrize("late", [False, True], ids=["from_the_start", "after_the_first_step"])
+def test_a_parameter_hook_that_is_not_linear_is_warned_of(late):
     """A clip hooked on a parameter applies to each sample's gradient and to the mini-batch
     gradient apart: the one does not add up to the other, and the statistics set one against
     the other (NormTest 2.28 where the hooked samples' own mean gives 0.98) with no word. A
-    linear hook (a mask, a scale) is not warned of."""
+    linear hook (a mask, a scale) is not warned of. A hook registered after the first step is
+    a setup checked again."""
     torch.manual_seed(0)
     for hook, warned in [(lambda g: g * 3, False), (lambda g: g.clamp(-0.01, 0.01), True)]:
         model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
-        model[0].weight.register_hook(hook)
         cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
-        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward()
-            GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
-        said = [str(w.message) for w in caught if "are not linear" in str(w.message)]
+        said = []
+        for step in range(2 if late else 1):
+            if step == int(late):
+                model[0].weight.register_hook(hook)
+            model.zero_grad()
+            x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+                    losses.mean().backward()
+                GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
+            said += [str(w.message) for w in caught if "are not linear" in str(w.message)]
         assert said == ([said[0]] if warned else []), said
         if warned:
             assert "the hooks on 1 tracked parameter (0.weight) are not linear" in said[0]

@@ -439,6 +439,9 @@ class Capture:
         self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
         self._owned = weakref.WeakKeyDictionary()  # module -> (its module_setup, [(name, owner, param)] tracked within)
+        self._setups = weakref.WeakKeyDictionary()  # module -> its module_setup at its last call
+        # A module called since the engine's last checks was set up otherwise than at its call before.
+        self.set_up_otherwise = False
         self._casts_inside = weakref.WeakKeyDictionary()  # module -> {device type: (least precise dtype of its own nodes, cuDNN's?)}
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
@@ -497,9 +500,12 @@ class Capture:
         made = (made_from, torch._C._autograd._get_sequence_nr())
         if _replaying[0] or not torch.is_grad_enabled():
             return None
-        # Whether a parameter is trained may change between steps (gradual unfreezing).
         setup = module_setup(module)
-        owned = [entry for entry in self._owned_by(module, setup) if entry[2].requires_grad]
+        if self._setups.setdefault(module, setup) != setup:  # (any module: a hook that mixes samples on an activation)
+            self._setups[module] = setup
+            self.set_up_otherwise = True
+        # Whether a parameter is trained may change between steps (gradual unfreezing).
+        owned = [entry[:3] for entry in self._owned_by(module, setup) if entry[2].requires_grad]
         mixing = rules.mixes_samples(module)
         if not owned and not mixing:  # nothing to see: the common case
             if self._frames:
@@ -553,7 +559,6 @@ class Capture:
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
         call = Call(module, params, direct, args, kwargs, outputs, made, time_first, inferred, layout_unknown, layout_guessed)
-        call.setup = setup
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)
@@ -594,18 +599,23 @@ class Capture:
     def _owned_by(self, module, setup):
         """``[(name, owner, tracked parameter)]`` of the tracked parameters ``module`` holds
         (under FSDP2, the unsharded tensors it holds while it runs stand for them), as of its
-        :func:`module_setup` ``setup`` (a pruning registered since renames its weight)."""
+        :func:`module_setup` ``setup`` and its submodules' parameters (a pruning registered
+        since renames a weight, on the module or on a submodule it reads without calling)."""
         found = self._owned.get(module)
-        if found is None or found[0] != setup:
-            found = self._owned[module] = setup, [
-                (name, owner, tracked)
-                for owner_name, owner in module.named_modules(remove_duplicate=False)
-                for short, p in owner.named_parameters(recurse=False)
-                for tracked in [self._tracked[id(p)] if id(p) in self._tracked else self.unsharded.tracked(p)]
-                if tracked is not None
-                for name in [f"{owner_name}.{short}" if owner_name else short]
-            ]
-        return found[1]
+        if found is not None and found[0] == setup and all(owner._parameters.get(short) is p for _, owner, _, short, p in found[1]):
+            return found[1]
+        if found is not None:  # (a submodule's parameters renamed, moved or replaced: it is checked again)
+            self.set_up_otherwise = True
+        entries = [
+            (name, owner, tracked, short, p)
+            for owner_name, owner in module.named_modules(remove_duplicate=False)
+            for short, p in owner.named_parameters(recurse=False)
+            for tracked in [self._tracked[id(p)] if id(p) in self._tracked else self.unsharded.tracked(p)]
+            if tracked is not None
+            for name in [f"{owner_name}.{short}" if owner_name else short]
+        ]
+        self._owned[module] = setup, entries
+        return entries
 
     def fire_broadcast(self, call, grads):
         """The output gradients of a call shared by every sample, from where it is broadcast."""
@@ -720,10 +730,12 @@ on it takes (an output's node, or where a view's product's gradient arrives)."""
 
 def module_setup(module):
     """What of ``module`` decides how its calls compute, beyond its class: its own parameters
-    (a pruning or a parametrization registered or removed between steps renames or moves
-    them, an assignment replaces one) and its forward hooks (one may mix the samples)."""
+    (a pruning or a parametrization registered or removed renames or moves them, an assignment
+    replaces one), the user's hooks on them (one may clip) and its forward hooks (one may mix
+    the samples)."""
     parameters = tuple((name, id(p)) for name, p in module._parameters.items())
-    return type(module), parameters, frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks)
+    hooks = tuple(id(hook) for p in module._parameters.values() if p is not None for hook in users_hooks(p))
+    return type(module), parameters, hooks, frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks)
 
 
 def _tag(node, key, call):

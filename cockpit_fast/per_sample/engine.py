@@ -68,7 +68,7 @@ class Engine:
             torch._functorch.config.donated_buffer = False
             torch._dynamo.reset()
         self.capture = Capture(self.params, unsharded)
-        self._checked = weakref.WeakKeyDictionary()  # module whose calls took the checks -> its setup then
+        self._checked = weakref.WeakSet()  # modules whose calls took the checks
         self._checked_mixing = weakref.WeakSet()  # modules that mixed their samples when the checks ran
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
@@ -129,10 +129,12 @@ class Engine:
             unsure = [call for call in changed if not call.hooked_views]
             gone = set(unsure) - set(in_graph(root, unsure))
             calls = [call for call in calls if call not in gone]
-        # A module set up otherwise since its checks (capture.module_setup: pruned, hooked) is checked
-        # again; a batch norm put in training mode since the checks mixes the samples of the calls upstream.
-        unchecked = any(self._checked.get(call.module) != call.setup for call in calls) or any(
-            module not in self._checked_mixing for module in self.capture.mixing
+        # Checked again: after a module was set up otherwise (capture.module_setup: pruned, hooked),
+        # and where a batch norm put in training mode since the checks mixes the samples upstream.
+        unchecked = (
+            any(call.module not in self._checked for call in calls)
+            or self.capture.set_up_otherwise
+            or any(module not in self._checked_mixing for module in self.capture.mixing)
         )
         if batch_size is not None:  # rows that are not the samples: each row's sample, this step's routing
             # Rows taken sample-major where the graph does not tell: on steps that prove it, or as proven.
@@ -250,7 +252,8 @@ class Engine:
             unguessed = [call for call, _ in fired if not call.layout_guessed]
             self._warn_of_guesses([call for call, _ in fired if call.layout_guessed], {*found, *step.taken})
             self._learn_layouts(unguessed)
-            self._checked.update((call.module, call.setup) for call in unguessed)
+            self._checked.update(call.module for call in unguessed)
+            self.capture.set_up_otherwise = False
         if (step.check or step.checked) and grads and step.users_hooks:
             self._warn_if_hooks_not_linear(found, grads)
         # A parameter the whole graph found unused (read in training only, say) gets no form either.
@@ -324,7 +327,8 @@ class Engine:
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
         self._guessed.update(call.module for call in guessed if call not in mixed)
-        self._checked.update((call.module, call.setup) for call in calls)
+        self._checked.update(call.module for call in calls)
+        self.capture.set_up_otherwise = False
         self._checked_mixing.update(self.capture.mixing)
         self._unused = {id(p) for p, g in zip(tracked, grads) if g is None}
         whole = self._whole_graph_needs(calls, tracked, batch_size, True, losses.grad_fn)
