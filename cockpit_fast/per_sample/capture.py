@@ -15,7 +15,7 @@ The hook on the outputs holds the inputs: they live as long as the graph does, n
 
 import contextlib
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -445,7 +445,8 @@ class Capture:
         self._casts_inside = weakref.WeakKeyDictionary()  # module -> {device type: (least precise dtype of its own nodes, cuDNN's?)}
         self._fired = None  # (call, output gradients) of the armed backward pass
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
-        self._formed = {}  # call -> the forms of its parameters not taken yet in the armed pass (take())
+        # id(output gradients of a fire) -> the forms of its call's parameters not taken yet in the armed pass
+        # (take()); by fire, not by call: a call shared by every sample fires at each place it is broadcast.
         self._holding = {}  # id(param) -> the (call, output gradients) of the armed pass that use it
         self._handed_out = set()  # ids of the parameters whose forms take() gave in the armed pass
         self._root = None  # the outermost module with tracked parameters last called, for names
@@ -678,7 +679,7 @@ class Capture:
         for call, grads in fired:
             if all(id(p) in skip for p in call.params.values()):
                 continue
-            for name, form in (formed.get(call) or call.forms(grads)).items():
+            for name, form in (formed.get(id(grads)) or call.forms(grads)).items():
                 parts[id(call.params[name])].append(form)
                 computed_in[id(call.params[name])].append(call.computed_in)
         forms = {key: self._form(key, found, computed_in[key]) for key, found in parts.items() if key not in skip}
@@ -704,9 +705,9 @@ class Capture:
             return None
         parts = []
         for call, grads in holding:
-            formed = self._formed.get(call)
+            formed = self._formed.get(id(grads))
             if formed is None:
-                formed = self._formed[call] = call.forms(grads)
+                formed = self._formed[id(grads)] = call.forms(grads)
             if call._replays:
                 return None
             parts += [form for name, form in formed.items() if id(call.params[name]) == key]
@@ -714,7 +715,7 @@ class Capture:
         for call, grads in holding:
             if all(id(p) in self._handed_out for p in call.params.values()):
                 grads[:] = [None] * len(grads)  # (the list the pass keeps: the gradients go, the call stays)
-                self._formed.pop(call, None)
+                self._formed.pop(id(grads), None)
         return self._form(key, parts, [call.computed_in for call, _ in holding])
 
     def calls(self):
@@ -833,9 +834,19 @@ def _deviating(reference, weighted, weights, noise=0.0):
 def _side_by_side(reference, other):
     """``(call, [(its fingerprint in reference, in other), ...])`` for each call of ``reference``
     (``(call, fingerprints)`` of a pass), beside those of ``other``, another pass (none where it
-    did not reach the call)."""
-    seen = {id(call): prints for call, prints in other}
-    return [(call, list(zip(prints, seen.get(id(call), [])))) for call, prints in reference]
+    did not reach the call). A call fired more than once in a pass (a shared call broadcast in
+    several places: T5's position bias, read by every layer) is paired fire by fire, in the
+    order the passes fired them."""
+    seen = defaultdict(list)
+    for call, prints in other:
+        seen[id(call)].append(prints)
+    fired = Counter()
+    pairs = []
+    for call, prints in reference:
+        theirs = seen[id(call)]
+        pairs.append((call, list(zip(prints, theirs[fired[id(call)]] if fired[id(call)] < len(theirs) else []))))
+        fired[id(call)] += 1
+    return pairs
 
 
 def _deviations(reference, repeated):
