@@ -1829,17 +1829,24 @@ def test_a_batch_norm_put_in_training_mode_after_the_checks_sends_the_calls_upst
     collector = GradientMetricCollector([gm.PNorm(weight, p=2)])
     for step, mode in enumerate(modes):
         model.train(mode == "train")
-        x, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
-        model.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the whole graph's notice)
-            with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward(retain_graph=True)
-            g = _one_pass_per_sample(losses, [weight])
-            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
-            norms = collector(F.cross_entropy(model(x), y, reduction="none"))  # (the same batch statistics)
-        torch.testing.assert_close(torch.as_tensor(norms).flatten(), g.norm(dim=1), rtol=1e-9, atol=0)
+        _step_against_the_oracle(model, [weight], cockpit, collector, step, torch.randn(8, 10, dtype=torch.float64))
+
+
+def _step_against_the_oracle(model, params, cockpit, collector, step, x):
+    """A step of the ``cockpit`` and a call of the ``collector`` (the PNorm of each of ``params``)
+    on ``x`` and random labels, each checked against a backward pass per sample."""
+    y = torch.randint(0, 3, (x.shape[0],))
+    model.zero_grad()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the whole graph's notice)
+        with cockpit(step, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        g = _one_pass_per_sample(losses, params)
+        norms = collector(F.cross_entropy(model(x), y, reduction="none"))  # (a batch norm: the same batch statistics)
+    assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
+    torch.testing.assert_close(norms.double().reshape(expected.shape), expected, rtol=1e-9, atol=0, msg=f"step {step}")
 
 
 @pytest.mark.parametrize("layer", ["instance_norm", "legacy_spectral_norm"])
@@ -1927,18 +1934,7 @@ def test_a_module_set_up_otherwise_after_the_checks_is_checked_again(change):
     for step in range(3):
         if step == 1:
             after(model)
-        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-        model.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the whole graph's notice)
-            with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
-                losses.mean().backward(retain_graph=True)
-            g = _one_pass_per_sample(losses, params)
-            norms = collector(F.cross_entropy(model(x), y, reduction="none"))
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
-        expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
-        torch.testing.assert_close(norms.double(), expected, rtol=1e-9, atol=0, msg=f"step {step}")
+        _step_against_the_oracle(model, params, cockpit, collector, step, torch.randn(8, 6, dtype=torch.float64))
 
 
 def _per_parameter(flat_grads, params):
