@@ -515,6 +515,45 @@ def test_a_call_shared_by_every_sample_broadcast_in_several_layers_takes_its_rul
         bias = [name for name in routes if "relative_attention_bias" in name]
         assert len(bias) == 2 and all(routes[name].startswith("module-local: Embedding rule") for name in bias), routes
 
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_a_call_shared_by_every_sample_expanded_to_the_batch_takes_its_rule(reader):
+    """MPNet expands its position bias, looked up once, to the batch (``expand`` then
+    ``contiguous``), where T5 adds it: the whole graph for the table (8x a plain step)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MPNetConfig(
+        vocab_size=13, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.MPNetForSequenceClassification(config).double()
+    params = [p for name, p in model.named_parameters() if not name.startswith("mpnet.pooler")]  # (unused)
+
+    def losses_of(ids, labels):
+        return F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")
+
+    watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)]) if reader == "cockpit" else GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
+    for step in range(2):
+        ids, labels = torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
+            losses = losses_of(ids, labels)
+            if reader == "cockpit":
+                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                    losses.mean().backward(retain_graph=True)
+            else:
+                rows = watching(losses)
+        g = _one_pass_per_sample(losses if reader == "cockpit" else losses_of(ids, labels), params)
+        if reader == "cockpit":
+            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        else:
+            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
+            # (the key projections' biases: zero in exact arithmetic, rounding noise of 1e-23 either way)
+            torch.testing.assert_close(rows.double(), expected, rtol=1e-9, atol=1e-12 * float(expected.max()), msg=f"step {step}")
+        routes = (watching if reader == "cockpit" else watching._engine).routes()
+        assert routes["mpnet.encoder.relative_attention_bias.weight"] == "module-local: Embedding rule", routes
+
 @contextlib.contextmanager
 def _collector_off():
     """What is let go goes by its references alone: the cyclic garbage collector does not run."""

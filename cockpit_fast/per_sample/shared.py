@@ -2,16 +2,17 @@
 
 A module called once for the whole batch (T5's relative-attention-bias table looked up with
 position buckets, a learned query) gives an output without a dimension of samples; broadcasting
-adds it to each sample's tensors, and the backward pass sums the samples' gradients before they
-reach the output. They are still apart where the broadcast happens: the add's backward node
-receives ``(N, ...)``. A pre-hook on that node keeps each sample's rows, summed over the other
-broadcast dimensions, and takes them back to the output through the nodes between (a permute,
+adds it to each sample's tensors (or ``expand`` makes it the batch's, as MPNet's position bias),
+and the backward pass sums the samples' gradients before they reach the output. They are still
+apart where the broadcast happens: the add's (or the expand's) backward node receives
+``(N, ...)``. A pre-hook on that node keeps each sample's rows, summed over the other broadcast
+dimensions, and takes them back to the output through the nodes between (a permute,
 an unsqueeze, a mask applied with ``where``: tensors still one for all, so each node's vjp is
 the same linear map for every sample, and ``vmap`` applies it to all rows at once). The call
 then has per-sample output gradients like any other and takes its module's rule.
 
-Uses through nodes with several outputs, or into anything but such adds, leave the call to the
-whole graph (:func:`frontiers`); the engine proves the result like every other call's.
+Uses through nodes with several outputs, or into anything but such broadcasts, leave the call to
+the whole graph (:func:`frontiers`); the engine proves the result like every other call's.
 """
 
 from collections import defaultdict
@@ -23,7 +24,7 @@ _VIEWS = {  # ops that keep a tensor one for all whatever its shape
     "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "SliceBackward0", "CloneBackward0",
     "ToCopyBackward0", "AliasBackward0",
 }
-_BROADCASTS = {"AddBackward0", "SubBackward0"}
+_BROADCASTS = {"AddBackward0", "SubBackward0", "ExpandBackward0"}
 
 
 CALL_TAG = "cockpit_fast_calls"
