@@ -603,7 +603,7 @@ class Capture:
         :func:`module_setup` ``setup`` and its submodules' parameters (a pruning registered
         since renames a weight, on the module or on a submodule it reads without calling)."""
         found = self._owned.get(module)
-        if found is not None and found[0] == setup and all(owner._parameters.get(short) is p for _, owner, _, short, p in found[1]):
+        if found is not None and found[0] == setup and all(_parameter(owner, short) is p for _, owner, _, short, p in found[1]):
             return found[1]
         if found is not None:  # (a submodule's parameters renamed, moved or replaced: it is checked again)
             self.set_up_otherwise = True
@@ -727,6 +727,11 @@ class Capture:
 HOOKED_TAG = "cockpit_fast_hooked"
 """Key of a backward node's metadata: weak references to the calls whose output gradient a hook
 on it takes (an output's node, or where a view's product's gradient arrives)."""
+
+
+def _parameter(module, name):
+    """``module``'s own parameter ``name``, or None. (A ScriptModule's parameters: a dict without get.)"""
+    return module._parameters[name] if name in module._parameters else None
 
 
 def module_setup(module):
