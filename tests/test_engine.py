@@ -554,6 +554,48 @@ def test_a_call_shared_by_every_sample_expanded_to_the_batch_takes_its_rule(read
         routes = (watching if reader == "cockpit" else watching._engine).routes()
         assert routes["mpnet.encoder.relative_attention_bias.weight"] == "module-local: Embedding rule", routes
 
+
+class _PositionsLookedUpOnce(nn.Module):
+    """Token embeddings plus a position table looked up once for every sample (LED's encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(13, 8), nn.Embedding(16, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1])))).mean(1)
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_a_shared_lookup_of_as_many_positions_as_a_multiple_of_the_samples_takes_its_rule(reader):
+    """T = 2N positions looked up once: the rows, a multiple of N with no graph to tell their
+    samples, were guessed sample-major, which the proof refuted; the call then kept the guess's
+    shape and was not found shared (the whole graph: LED's encoder at N = 16, T = 32, 8x)."""
+    torch.manual_seed(0)
+    model = _PositionsLookedUpOnce().double()
+    params = list(model.parameters())
+    watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)]) if reader == "cockpit" else GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
+    for step in range(2):
+        ids, labels = torch.randint(0, 13, (N, 2 * N)), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
+            losses = F.cross_entropy(model(ids), labels, reduction="none")
+            if reader == "cockpit":
+                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                    losses.mean().backward(retain_graph=True)
+            else:
+                rows = watching(losses)
+                losses = F.cross_entropy(model(ids), labels, reduction="none")
+        g = _one_pass_per_sample(losses, params)
+        if reader == "cockpit":
+            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        else:
+            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
+            torch.testing.assert_close(rows.double(), expected, rtol=1e-9, atol=0, msg=f"step {step}")
+        routes = (watching if reader == "cockpit" else watching._engine).routes()
+        assert routes["positions.weight"] == "module-local: Embedding rule", routes
+
 @contextlib.contextmanager
 def _collector_off():
     """What is let go goes by its references alone: the cyclic garbage collector does not run."""

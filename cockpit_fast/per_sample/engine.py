@@ -367,6 +367,9 @@ class Engine:
         graph that cannot be (calls of an earlier graph the user keeps are no part of it)."""
         if not calls or root is None or batch_size is None:
             return calls
+        for call in calls:
+            if call.routed is not None and call.routed.guessed:  # its rows were no samples: one call for them all?
+                routed.ungroup(call)
         found = shared.frontiers(root, calls, batch_size)
         for call, adds in found.items():
             if adds is not None:

@@ -108,10 +108,18 @@ def regroup(calls, n, guess):
 
 
 def _apply(call, regrouping):
+    call.ungrouped = call.args, call.kwargs, call.output_shapes, call.batch_size
     call.args = tuple(regrouping(a) for a in call.args)
     call.kwargs = {k: regrouping(v) for k, v in call.kwargs.items()}
     call.output_shapes = [regrouping.shape(s) for s in call.output_shapes]
     call.batch_size, call.routed, call._replayed = regrouping.n, regrouping, None
+
+
+def ungroup(call):
+    """Takes back a regrouping of ``call``'s rows (one guessed sample-major that the proof then
+    refuted: positions looked up once for every sample, as many as a multiple of N)."""
+    call.args, call.kwargs, call.output_shapes, call.batch_size = call.ungrouped
+    call.routed, call._replayed = None, None
 
 
 def _is_identity(samples, n):
