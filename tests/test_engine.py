@@ -473,6 +473,37 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
 
 
 
+def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, shared, rel=1e-9):
+    """Two steps of the ``reader`` (a cockpit's NormTest, the collector's norms of each of
+    ``params``) on ``losses_of(*batch())``, each against a backward pass per sample; the
+    parameters named in ``shared`` take the Embedding rule, and no parameter the whole graph."""
+    if reader == "cockpit":
+        watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    else:
+        watching = GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
+    for step in range(2):
+        inputs = batch()
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
+            losses = losses_of(*inputs)
+            if reader == "cockpit":
+                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                    losses.mean().backward(retain_graph=True)
+            else:
+                rows = watching(losses)
+                losses = losses_of(*inputs)  # (the collector's pass frees the graph)
+        g = _one_pass_per_sample(losses, params)
+        if reader == "cockpit":
+            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=rel), step
+        else:
+            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
+            # (a gradient zero in exact arithmetic, a key projection's bias, is rounding noise either way)
+            torch.testing.assert_close(rows.double(), expected, rtol=rel, atol=1e-12 * float(expected.max()), msg=f"step {step}")
+        routes = (watching if reader == "cockpit" else watching._engine).routes()
+        assert all(routes[name] == "module-local: Embedding rule" for name in shared), routes
+
+
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
 def test_a_call_shared_by_every_sample_broadcast_in_several_layers_takes_its_rule(reader):
     """T5 of two layers: its position bias, looked up once, is broadcast in each layer. The proof
@@ -486,34 +517,15 @@ def test_a_call_shared_by_every_sample_broadcast_in_several_layers_takes_its_rul
         relative_attention_num_buckets=4, relative_attention_max_distance=8, dropout_rate=0.0, decoder_start_token_id=0,
     )
     model = transformers.T5ForConditionalGeneration(config).double()
-    params = list(model.parameters())
 
     def losses_of(ids, targets):
         logits = model(input_ids=ids, decoder_input_ids=targets).logits
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
 
-    watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)]) if reader == "cockpit" else GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
-    for step in range(2):
-        ids, targets = torch.randint(1, 13, (N, 5)), torch.randint(1, 13, (N, 5))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
-            losses = losses_of(ids, targets)
-            if reader == "cockpit":
-                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                    losses.mean().backward(retain_graph=True)
-            else:
-                rows = watching(losses)
-        g = _one_pass_per_sample(losses if reader == "cockpit" else losses_of(ids, targets), params)
-        if reader == "cockpit":
-            # (T5's norms compute in float32 inside the float64 model: 1e-7, as the test above)
-            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7), step
-        else:
-            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
-            torch.testing.assert_close(rows.double(), expected, rtol=1e-7, atol=0, msg=f"step {step}")
-        routes = (watching if reader == "cockpit" else watching._engine).routes()
-        bias = [name for name in routes if "relative_attention_bias" in name]
-        assert len(bias) == 2 and all(routes[name].startswith("module-local: Embedding rule") for name in bias), routes
+    batch = lambda: (torch.randint(1, 13, (N, 5)), torch.randint(1, 13, (N, 5)))  # noqa: E731
+    shared = [f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" for part in ("encoder", "decoder")]
+    # (T5's norms compute in float32 inside the float64 model: 1e-7, as the test above)
+    _shared_calls_against_the_oracle(model, list(model.parameters()), losses_of, batch, reader, shared, rel=1e-7)
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
@@ -528,31 +540,9 @@ def test_a_call_shared_by_every_sample_expanded_to_the_batch_takes_its_rule(read
     )
     model = transformers.MPNetForSequenceClassification(config).double()
     params = [p for name, p in model.named_parameters() if not name.startswith("mpnet.pooler")]  # (unused)
-
-    def losses_of(ids, labels):
-        return F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")
-
-    watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)]) if reader == "cockpit" else GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
-    for step in range(2):
-        ids, labels = torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
-            losses = losses_of(ids, labels)
-            if reader == "cockpit":
-                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                    losses.mean().backward(retain_graph=True)
-            else:
-                rows = watching(losses)
-        g = _one_pass_per_sample(losses if reader == "cockpit" else losses_of(ids, labels), params)
-        if reader == "cockpit":
-            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
-        else:
-            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
-            # (the key projections' biases: zero in exact arithmetic, rounding noise of 1e-23 either way)
-            torch.testing.assert_close(rows.double(), expected, rtol=1e-9, atol=1e-12 * float(expected.max()), msg=f"step {step}")
-        routes = (watching if reader == "cockpit" else watching._engine).routes()
-        assert routes["mpnet.encoder.relative_attention_bias.weight"] == "module-local: Embedding rule", routes
+    losses_of = lambda ids, labels: F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,)))  # noqa: E731
+    _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, ["mpnet.encoder.relative_attention_bias.weight"])
 
 
 class _PositionsLookedUpOnce(nn.Module):
@@ -573,28 +563,10 @@ def test_a_shared_lookup_of_as_many_positions_as_a_multiple_of_the_samples_takes
     shape and was not found shared (the whole graph: LED's encoder at N = 16, T = 32, 8x)."""
     torch.manual_seed(0)
     model = _PositionsLookedUpOnce().double()
-    params = list(model.parameters())
-    watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)]) if reader == "cockpit" else GradientMetricCollector([gm.PNorm(p, p=2) for p in params])
-    for step in range(2):
-        ids, labels = torch.randint(0, 13, (N, 2 * N)), torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
-            losses = F.cross_entropy(model(ids), labels, reduction="none")
-            if reader == "cockpit":
-                with watching(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
-                    losses.mean().backward(retain_graph=True)
-            else:
-                rows = watching(losses)
-                losses = F.cross_entropy(model(ids), labels, reduction="none")
-        g = _one_pass_per_sample(losses, params)
-        if reader == "cockpit":
-            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
-        else:
-            expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
-            torch.testing.assert_close(rows.double(), expected, rtol=1e-9, atol=0, msg=f"step {step}")
-        routes = (watching if reader == "cockpit" else watching._engine).routes()
-        assert routes["positions.weight"] == "module-local: Embedding rule", routes
+    losses_of = lambda ids, labels: F.cross_entropy(model(ids), labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randint(0, 13, (N, 2 * N)), torch.randint(0, 3, (N,)))  # noqa: E731
+    _shared_calls_against_the_oracle(model, list(model.parameters()), losses_of, batch, reader, ["positions.weight"])
+
 
 @contextlib.contextmanager
 def _collector_off():
