@@ -447,6 +447,7 @@ class Capture:
         self._reached = {}  # call -> its output gradients in the armed pass, of a call with several outputs
         # id(output gradients of a fire) -> the forms of its call's parameters not taken yet in the armed pass
         # (take()); by fire, not by call: a call shared by every sample fires at each place it is broadcast.
+        self._formed = {}
         self._holding = {}  # id(param) -> the (call, output gradients) of the armed pass that use it
         self._handed_out = set()  # ids of the parameters whose forms take() gave in the armed pass
         self._root = None  # the outermost module with tracked parameters last called, for names

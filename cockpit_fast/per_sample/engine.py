@@ -507,13 +507,15 @@ class Engine:
         hooked = {key: found[key] for key in self.capture.hooked if key in found and key in grads}
         sums = {key: (form.grad, form.magnitude(), form.computed_in) for key, form in hooked.items()}
         wrong = self._sums_wrong(sums, grads) if sums else []
+        if not wrong:
+            return
         message = (
             f"cockpit_fast: the hooks on {self._describe(wrong)} are not linear (a clip, say): each sample's gradient "
             "hooked does not add up to the mini-batch gradient hooked, which the statistics set the samples' against "
             "(a gradient noise from hooked samples around another mean). Clip the mini-batch gradient after the "
             "backward pass instead (torch.nn.utils.clip_grad_value_), or track without them"
         )
-        if wrong and message not in self._warned:
+        if message not in self._warned:
             self._warned.add(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
