@@ -438,7 +438,7 @@ class Capture:
         self.unsharded = Unsharded(params) if unsharded is None else unsharded
         self._frames = []  # (module, parameter ids claimed inside it, time-first) of every call under way
         self._batch = 1  # samples of the outermost call under way, once a call shows more than one
-        self._owned = weakref.WeakKeyDictionary()  # module -> (its module_setup, [(name, owner, param)] tracked within)
+        self._owned = weakref.WeakKeyDictionary()  # module -> [(name, owner, param, short name, held)] tracked within
         self._setups = weakref.WeakKeyDictionary()  # module -> its module_setup at its last call
         # A module called since the engine's last checks was set up otherwise than at its call before.
         self.set_up_otherwise = False
@@ -506,8 +506,9 @@ class Capture:
         if self._setups.setdefault(module, setup) != setup:  # (any module: a hook that mixes samples on an activation)
             self._setups[module] = setup
             self.set_up_otherwise = True
+            self._owned.pop(module, None)
         # Whether a parameter is trained may change between steps (gradual unfreezing).
-        owned = [entry[:3] for entry in self._owned_by(module, setup) if entry[2].requires_grad]
+        owned = [entry[:3] for entry in self._owned_by(module) if entry[2].requires_grad]
         mixing = rules.mixes_samples(module)
         if not owned and not mixing:  # nothing to see: the common case
             if self._frames:
@@ -598,14 +599,15 @@ class Capture:
         """Modules whose samples interact, in a graph still alive."""
         return [token.module for token in self._mixing]
 
-    def _owned_by(self, module, setup):
-        """``[(name, owner, tracked parameter)]`` of the tracked parameters ``module`` holds
-        (under FSDP2, the unsharded tensors it holds while it runs stand for them), as of its
-        :func:`module_setup` ``setup`` and its submodules' parameters (a pruning registered
-        since renames a weight, on the module or on a submodule it reads without calling)."""
+    def _owned_by(self, module):
+        """``[(name, owner, tracked parameter, short name, tensor held)]`` of the tracked
+        parameters ``module`` holds (under FSDP2, the unsharded tensors it holds while it runs
+        stand for them), as its submodules hold them now (a pruning registered since renames a
+        weight, also on a submodule it reads without calling; its own setup's changes drop the
+        entry in :meth:`_exit`)."""
         found = self._owned.get(module)
-        if found is not None and found[0] == setup and all(_parameter(owner, short) is p for _, owner, _, short, p in found[1]):
-            return found[1]
+        if found is not None and all(_parameter(owner, short) is p for _, owner, _, short, p in found):
+            return found
         if found is not None:  # (a submodule's parameters renamed, moved or replaced: it is checked again)
             self.set_up_otherwise = True
         entries = [
@@ -616,7 +618,7 @@ class Capture:
             if tracked is not None
             for name in [f"{owner_name}.{short}" if owner_name else short]
         ]
-        self._owned[module] = setup, entries
+        self._owned[module] = entries
         return entries
 
     def fire_broadcast(self, call, grads):

@@ -162,7 +162,7 @@ class Engine:
             raise
         self.capture.arm()
         step.check = unchecked and not checks
-        step.checked = checks
+        step.checking = unchecked
         step.streams = not step.check and not self.capture.unsharded.active and not any(call.changed for call in calls)
         return step
 
@@ -254,7 +254,7 @@ class Engine:
             self._learn_layouts(unguessed)
             self._checked.update(call.module for call in unguessed)
             self.capture.set_up_otherwise = False
-        if (step.check or step.checked) and grads and step.users_hooks:
+        if step.checking and grads and step.users_hooks:
             self._warn_if_hooks_not_linear(found, grads)
         # A parameter the whole graph found unused (read in training only, say) gets no form either.
         whole = step.forms if grads is None else {key: form for key, form in step.forms.items() if key in grads}
@@ -609,7 +609,7 @@ class _Pass:
         self.forms = {}  # formed before the backward pass: the whole graph's
         self.sums = {}  # id -> the sum of its samples' gradients, where the checks ran before it
         self.check = False  # the sums are checked after it (no individual losses to check before)
-        self.checked = False  # the sums were checked before it (with the individual losses)
+        self.checking = False  # the checks run for it, before it (with the individual losses) or after it
         self.users_hooks = True  # the user's hooks on parameters run in it (not the collector's own pass)
         self.handles = []  # hooks on the graph for calls shared by every sample
         self.calls = []  # the calls of the forward pass it plans for

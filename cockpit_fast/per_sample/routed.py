@@ -108,7 +108,8 @@ def regroup(calls, n, guess):
 
 
 def _apply(call, regrouping):
-    call.ungrouped = call.args, call.kwargs, call.output_shapes, call.batch_size
+    if regrouping.guessed:  # (what ungroup() takes back, where the proof refutes the guess)
+        call.ungrouped = call.args, call.kwargs, call.output_shapes, call.batch_size
     call.args = tuple(regrouping(a) for a in call.args)
     call.kwargs = {k: regrouping(v) for k, v in call.kwargs.items()}
     call.output_shapes = [regrouping.shape(s) for s in call.output_shapes]
