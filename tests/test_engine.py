@@ -2072,6 +2072,55 @@ def test_a_scripted_submodule_takes_the_whole_graph():
         norms = GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
     torch.testing.assert_close(torch.as_tensor(norms).flatten().double(), g.norm(dim=1), rtol=1e-9, atol=0)
 
+class _TwoLayersOneWeight(nn.Module):
+    """No rule: replayed with torch.func. Reads its two children's tied weight, calling neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return F.linear(torch.sin(F.linear(x, self.a.weight, self.a.bias)), self.b.weight, self.b.bias)
+
+
+class _OwnWeightTiedToItsChilds(nn.Module):
+    """Uses its child's weight once through the child's call, once under a name of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(6, 6)
+        self.w = self.child.weight
+
+    def forward(self, x):
+        return torch.sin(F.linear(torch.tanh(self.child(x)), self.w))
+
+
+@pytest.mark.parametrize("hand_in_losses", [True, False])
+@pytest.mark.parametrize("block", [_TwoLayersOneWeight, _OwnWeightTiedToItsChilds])
+def test_a_replayed_call_using_one_weight_under_two_names_stays_module_local(block, hand_in_losses):
+    """A replay was handed every name of a tied weight, which torch.func refuses (the first
+    block), or replayed the child's use as well as its own, counted twice (the second): without
+    individual losses both layers raised, with them the weight took the whole graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(block(), nn.Tanh(), nn.Linear(6, 3)).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = torch.randn(8, 6, dtype=torch.float64, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": 8, "loss": losses.mean()} | ({"individual_losses": losses} if hand_in_losses else {})
+        with cockpit(step, info=info):
+            losses.mean().backward(retain_graph=True)
+        g = _one_pass_per_sample(losses, params)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
+    norms = GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
+    torch.testing.assert_close(torch.as_tensor(norms).flatten().double(), g.norm(dim=1), rtol=1e-9, atol=0)
+
+
 class _CalledPerSample(nn.Module):
     """Layers called on one sample's unbatched input at a time, in a loop over the batch."""
 

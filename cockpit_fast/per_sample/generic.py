@@ -93,7 +93,9 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
 
         def forward(p):
             # (The parameters the call's inner calls claim are read as they are: detached below.)
-            leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=True))[0]
+            # Untied: a tensor held under two names the call owns gets each use's gradient under
+            # its name (the capture sums them), and one an inner call claims stays as it is.
+            leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
             return tuple(tensors[i].squeeze(out_dims[i]) for i in kept)
 
