@@ -1500,6 +1500,32 @@ def test_routes_name_the_models_parameters_under_activation_checkpointing():
     assert cockpit.get_output()[1]["NormTest"] == pytest.approx(_norm_test(_oracle(unchecked, x, y)), rel=1e-4)
 
 
+def test_a_composable_checkpoint_is_a_clear_error_where_the_step_needs_passes_of_its_own():
+    """torch.distributed._composable.checkpoint recomputes its module in a context made once per
+    forward pass: a second backward pass through it raised an AttributeError from contextlib
+    inside the checks' pass. Now the checks say which module and what to use instead; steps
+    that need no pass of their own (without individual losses) keep the oracle's numbers."""
+    from torch.distributed._composable import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)).double()
+    checkpoint(model[1])
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    x, y = torch.randn(N, 5, dtype=torch.float64), torch.randint(0, 3, (N,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(ValueError, match=r"^1 is checkpointed with torch\.distributed\._composable\.checkpoint.*use_reentrant=False"):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    unchecked = nn.Sequential(model[0], model[1][0], model[1][1], model[2])  # (torch.func refuses checkpoints)
+    for step in (1, 2):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        with cockpit(step, info={"batch_size": N, "loss": loss}):
+            loss.backward()
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(_oracle(unchecked, x, y)), rel=1e-9), step
+
+
 def test_a_replayed_calls_per_sample_gradients_carry_no_graph():
     # GPTLike's own call is replayed for its positions: through its blocks' parameters, read as
     # they are, the per-sample gradients carried their graph (torch warned on reading them).

@@ -37,7 +37,7 @@ import torch
 
 from cockpit_fast.per_sample import routed, shared
 from cockpit_fast.per_sample.capture import Capture, fingerprint, in_graph, least_precise, mixed_calls, outside_autocast, own_pass
-from cockpit_fast.per_sample.generic import graph_nodes, refuse_reentrant_checkpoints, whole_graph_grads
+from cockpit_fast.per_sample.generic import graph_nodes, refuse_composable_checkpoints, refuse_reentrant_checkpoints, whole_graph_grads
 from cockpit_fast.per_sample.grads import HookedGrads, ScaledGrads
 
 SUM_CHECK_SLACK = 16
@@ -149,6 +149,8 @@ class Engine:
             self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
             checks = losses is not None and unchecked and losses.shape[0] > 0
             whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None, root)
+            if checks or whole:
+                refuse_composable_checkpoints(self.capture.root)
             own_passes = self.capture.unsharded.engine_passes(checks or bool(whole))
             # (Every rank hands in its losses, or none does: then none runs a pass of its own.)
             with own_passes if losses is not None else contextlib.nullcontext():

@@ -214,6 +214,26 @@ def refuse_reentrant_checkpoints(losses):
         )
 
 
+def refuse_composable_checkpoints(model):
+    """Raises a ValueError where ``model`` holds modules under torch's composable activation
+    checkpointing (``torch.distributed._composable.checkpoint``): it recomputes them in a context
+    made once per forward pass, so a second backward pass through them raises, and the step's
+    checks or whole graph are backward passes besides the user's."""
+    if model is None or not torch.distributed.is_available():
+        return
+    from torch.distributed._composable import checkpoint
+
+    found = [name or type(model).__name__ for name, module in model.named_modules() if checkpoint.state(module) is not None]
+    if found:
+        raise ValueError(
+            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} checkpointed with torch.distributed._composable."
+            "checkpoint, whose graph takes one backward pass only (torch recomputes it in a context made once), and "
+            "this step's per-sample gradients need passes of their own: checkpoint with "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or torch.distributed.algorithms._checkpoint."
+            "checkpoint_wrapper.checkpoint_wrapper instead"
+        )
+
+
 def graph_nodes(root):
     """The backward nodes of the graph of ``root`` (a backward node, or None: none), each once,
     ``root`` first; the caller may stop early."""
