@@ -464,28 +464,63 @@ def test_a_replayed_call_handed_a_cache_it_fills_is_a_clear_error():
     assert cockpit.get_output()[0]["NormTest"] > 0
 
 
-def test_hf_mixtral_experts_that_cannot_be_replayed_take_the_whole_graph_and_match_a_pass_per_sample():
+_FUSED_EXPERTS = {  # name -> (config class, model class, its MoE settings)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)),
+    # Its router flattens the tokens inside its call, (N, T, D) to (N * T, D).
+    "deepseek_v3": (
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=0,
+             n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("hand_in_losses", [True, False])
+@pytest.mark.parametrize("implementation, dtype", [("grouped_mm", torch.float32), ("eager", torch.float64)])
+@pytest.mark.parametrize("name", list(_FUSED_EXPERTS))
+def test_hf_fused_experts_and_their_routers_stay_module_local_and_match_a_pass_per_sample(name, implementation, dtype, hand_in_losses):
+    """Hugging Face's experts hold every expert's weights in one 3-D parameter and index the
+    token rows routed to each: the replay handed each sample's rows as a batch of one, which
+    they index out of bounds, and a router's weights (an output computed from its logits) were
+    counted twice: both took the whole graph (9x a plain step). Now a routed call's replay
+    takes each sample's rows as rows, and an output computed from another alone is left out.
+    DeepSeek-V3's router, flattening the tokens inside its call, needs the individual losses
+    that prove its rows' samples."""
     import transformers
 
     from any_models import VOCAB, _LogitsOnly, token_losses
 
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=16, max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+    config_class, model_class, moe = _FUSED_EXPERTS[name]
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, **moe,
     )
+    config._experts_implementation = implementation  # (grouped products take no float64)
     torch.manual_seed(0)
-    model = _LogitsOnly(transformers.MixtralForCausalLM(config))  # float32: its grouped products take no float64
-    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
-    losses = token_losses(model(tokens), tokens)
+    model = _LogitsOnly(getattr(transformers, model_class)(config)).to(dtype)
     params = list(model.parameters())
-    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
-    with pytest.warns(RuntimeWarning, match="its call cannot be replayed sample by sample"):
-        _step(model, lambda m, a, b: token_losses(m(a), a), tokens, None, cockpit)
-    assert "whole graph" in set(cockpit.routes().values())
-    n, mean = g.shape[0], g.double().mean(0)
-    expected = (((g.double() ** 2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(expected), rel=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        tokens = torch.randint(0, VOCAB, (4, 6), generator=gen)
+        model.zero_grad()
+        losses = token_losses(model(tokens), tokens)
+        info = {"batch_size": 4, "loss": losses.mean()} | ({"individual_losses": losses} if hand_in_losses else {})
+        if name == "deepseek_v3" and not hand_in_losses:
+            with pytest.raises(ValueError, match=r"\(model\.model\.layers\.0\.mlp\.gate\.weight\) need every sample's own loss"):
+                with cockpit(step, info=info):
+                    losses.mean().backward()
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+            with cockpit(step, info=info):
+                losses.mean().backward(retain_graph=True)
+        g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses]).double()
+        n, mean = g.shape[0], g.mean(0)
+        expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-4 if dtype == torch.float32 else 1e-8), step
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
+    assert "module-local: MixtralExperts replayed with torch.func, rows regrouped by sample" in cockpit.routes().values() or name != "mixtral"
 
 
 def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():

@@ -632,8 +632,9 @@ def _cross_entropies(forward, x, y):
 
 
 class _TwoOutputs(nn.Module):
-    """Returns its product and a view or a function of it, or its own weight, or its input (of
-    which the product is computed: not the parameters')."""
+    """Returns its product and a view or a function of it, or a function of it and of its
+    weight, or its own weight, or its input (of which the product is computed: not the
+    parameters')."""
 
     def __init__(self, how):
         super().__init__()
@@ -643,15 +644,22 @@ class _TwoOutputs(nn.Module):
     def forward(self, x):
         source = x.tanh()
         y = source @ self.weight
-        second = {"view": lambda: y[..., :2], "function": lambda: 2 * y.tanh(), "parameter": lambda: self.weight, "input": lambda: source}
+        second = {
+            "view": lambda: y[..., :2],
+            "function": lambda: 2 * y.tanh(),
+            "function_and_weight": lambda: y.tanh() * self.weight[0],
+            "parameter": lambda: self.weight,
+            "input": lambda: source,
+        }
         return y, second[self.how]()
 
 
 @pytest.mark.parametrize(
     "how, why",
     [
-        ("view", "returns an output computed from another it returns"),
-        ("function", "returns an output computed from another it returns"),
+        ("view", None),
+        ("function", None),
+        ("function_and_weight", "returns an output computed from another it returns"),
         ("parameter", "returns one of its parameters itself"),
         ("input", None),
     ],
@@ -661,8 +669,11 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
     computed from it too, which a rule given both counted twice; a parameter handed out is used
     by the caller (and a hook on it stayed, one more each step). The second output enters the
     losses only after the checks' step, so no check saw it: the per-sample gradients came out
-    up to twice too large (and 50-85% off with the parameter), with no warning. An output the
-    first is computed from, which the parameters do not reach, counts nothing twice."""
+    up to twice too large (and 50-85% off with the parameter), with no warning. A second output
+    computed from the first alone (a view, a router's weights of its logits) is left out of the
+    forms, whose first output's hook has its share: module-local, where it took the whole graph.
+    An output the first is computed from, which the parameters do not reach, counts nothing
+    twice."""
     model = _TwoOutputs(how)
     gen = torch.Generator().manual_seed(1)
 
@@ -684,10 +695,10 @@ def test_a_forward_pass_in_another_thread_still_shows_outputs_computed_from_anot
     """Autograd numbers each thread's nodes in the order it makes them. A call's own nodes were
     told by numbers above its inputs': a forward pass in a worker thread on an input made in
     the main thread (numbered higher, on its own) seemed to make none, so ``(y, y[..., :2])``
-    kept the rule, which counted the view's share twice once the view entered the losses after
+    kept the rule, which counted the second output's share twice once it entered the losses after
     the checks' step (NormTest 3x off, silently). They are told by the number the call's
     thread had reached when it began."""
-    model = _TwoOutputs("view")
+    model = _TwoOutputs("function_and_weight")
     gen = torch.Generator().manual_seed(1)
 
     def losses_of(step):

@@ -100,9 +100,10 @@ class Call:
         self._replays = set()  # names whose forms replay the call
         self.spent = False  # a tracked backward pass went through it: no later step's (spend())
         # Why no hook on its outputs can take its parameters' gradients sample by sample (None: one
-        # can). A rule knows how its module's outputs come about (a packed LSTM's own nodes, a
-        # thousand, cost more to walk than its forward pass, and the objects made collections).
-        self.outputs_entangled = None if self.rule is not None else _outputs_entangled(module, outputs, made)
+        # can), and which outputs the forms leave out (computed from others alone). A rule knows how
+        # its module's outputs come about (a packed LSTM's own nodes, a thousand, cost more to
+        # walk than its forward pass, and the objects made collections).
+        self.outputs_entangled, self.derived_outputs = (None, ()) if self.rule is not None else _outputs_apart(module, outputs, made)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -213,7 +214,7 @@ class Call:
                     values = replay_grads(
                         self.module, self.values, self.args, self.kwargs,
                         [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
-                        self.sample_dim, self.batch_size, start, stop,
+                        self.sample_dim, self.batch_size, start, stop, rows=self.routed is not None,
                     )
             finally:
                 _replaying[0] -= 1
@@ -222,7 +223,7 @@ class Call:
 
     def forms(self, output_grads):
         """``{name: form}`` of the call's parameters, given its outputs' gradients."""
-        grads = [None if g is None else g.detach() for g in output_grads]
+        grads = [None if g is None or i in self.derived_outputs else g.detach() for i, g in enumerate(output_grads)]
         args, grads = _in_narrowest_dtype(self.args, grads)
         made, rule = {}, self.rule
         # A rule reading a parametrized tensor, and the chaining, evaluate parametrizations: no new calls.
@@ -376,25 +377,52 @@ def _computed_inside(node, made):
     return least_precise(dtypes), cudnn
 
 
-def _outputs_entangled(module, outputs, made):
-    """Why the hooks on a call's several outputs cannot give its parameters' gradients sample by
-    sample, or None. An output that is one of its parameters is used by its caller, outside the
-    call. An output computed from another that the parameters reach (a view or function of it,
-    as the call's own nodes show): the hook on that other gets the share of the gradient
-    passing through the first too, which a rule given both counts twice."""
+def _outputs_apart(module, outputs, made):
+    """``(why, derived)``: why the hooks on a call's several outputs cannot give its parameters'
+    gradients sample by sample (None where they can), and the indices of the outputs computed
+    from others it returns alone (a view or function of them, as the call's own nodes show,
+    as a router's weights are of its logits), whose gradients the hooks on those others get too:
+    their forms leave them out, not counting them twice. An output that is one of its
+    parameters is used by its caller, outside the call; one computed from another that the
+    parameters reach, and from the parameters by a way of its own, cannot be told apart."""
     if len(outputs) == 1 and outputs[0].grad_fn is not None:  # (most calls)
-        return None
+        return None, ()
     own = {id(p) for p in module.parameters()}
     if any(o.grad_fn is None and id(o) in own for o in outputs):
-        return "returns one of its parameters itself (its caller uses it outside the call)"
-    if len(outputs) == 1:
-        return None
+        return "returns one of its parameters itself (its caller uses it outside the call)", ()
     edges = {(o.grad_fn, o.output_nr) for o in outputs if o.grad_fn is not None}
-    nodes = _own_nodes([o.grad_fn for o in outputs], made)
-    sources = {edge for node in nodes for edge in node.next_functions if edge in edges}
-    if any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made)):
-        return "returns an output computed from another it returns (a view or function of it), whose gradient a rule given both counts twice"
-    return None
+    derived = []
+    for index, output in enumerate(outputs):
+        if output.grad_fn is None:
+            continue
+        reached, sources = _own_nodes_short_of(output.grad_fn, made, edges - {(output.grad_fn, output.output_nr)})
+        if not any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made)):
+            continue  # computed from no other output the parameters reach
+        if any(id(getattr(node, "variable", None)) in own for node in reached):
+            return (
+                "returns an output computed from another it returns (a view or function of it) and from its "
+                "parameters by a way of its own, whose gradients no hook tells apart"
+            ), ()
+        derived.append(index)
+    return None, tuple(derived)
+
+
+def _own_nodes_short_of(start, made, stops):
+    """The nodes of a call (:func:`_own_nodes`) from ``start`` down, not going past the edges
+    ``stops`` (its other outputs), and those of them it reaches."""
+    first, last = made
+    seen, reached, stack = set(), set(), [start]
+    while stack:
+        node = stack.pop()
+        if node in seen or not (first <= node._sequence_nr() < last or node._sequence_nr() == _LEAF):
+            continue
+        seen.add(node)
+        for edge in node.next_functions:
+            if edge in stops:
+                reached.add(edge)
+            elif edge[0] is not None:
+                stack.append(edge[0])
+    return seen, reached
 
 
 TF32 = torch.float16

@@ -62,7 +62,7 @@ def _sample_dims(leaves, dim, n):
     return dims
 
 
-def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim, batch, start, stop):
+def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim, batch, start, stop, rows=False):
     """``{name: (stop - start, *shape)}``: per-sample gradients of ``params`` (names in
     ``module``) for samples ``start`` to ``stop`` of one call of ``module``.
 
@@ -73,6 +73,9 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
         sample_dim (int): Where the samples are in the inputs and outputs (0, or 1 for a module
             with ``batch_first=False``).
         batch (int): N, the number of samples of the call.
+        rows (bool): Each sample's part of the inputs and outputs is the rows the call had for it
+            (a routed call's, regrouped ``(N, P, ...)``): replayed as rows, as the module takes
+            them (an experts module indexes its rows), not as a batch of one.
     """
     n = stop - start
     flat_inputs, spec = tree_flatten((args, kwargs))
@@ -88,7 +91,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
     buffers = {name: b.clone() for name, b in module.named_buffers()} if module.training else {}
 
     def one_sample(sample_inputs, sample_cotangents):
-        restored = [leaf.unsqueeze(d) if d is not None else leaf for leaf, d in zip(sample_inputs, in_dims)]
+        restored = [leaf.unsqueeze(d) if d is not None and not rows else leaf for leaf, d in zip(sample_inputs, in_dims)]
         call_args, call_kwargs = tree_unflatten(restored, spec)
 
         def forward(p):
@@ -97,7 +100,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
             # its name (the capture sums them), and one an inner call claims stays as it is.
             leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            return tuple(tensors[i].squeeze(out_dims[i]) for i in kept)
+            return tuple(tensors[i] if rows else tensors[i].squeeze(out_dims[i]) for i in kept)
 
         _, pullback = vjp(forward, detached)
         # Values only: through the module's other parameters the result would carry their graph.
@@ -114,12 +117,12 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
                     "(the route through the whole graph), or put the module in eval mode"
                 ) from error
             # vmap has no batching rule for an op: the same, one sample at a time.
-            rows = []
+            samples = []
             try:
                 for k in range(n):
                     one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
                     cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
-                    rows.append(one_sample(one, cot))
+                    samples.append(one_sample(one, cot))
             except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
                 where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
                 caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
@@ -135,7 +138,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
                     "step without info['individual_losses'], hand them in with their graph (the route through the "
                     "whole graph)"
                 ) from again
-            return {name: torch.stack([row[name] for row in rows]) for name in params}
+            return {name: torch.stack([sample[name] for sample in samples]) for name in params}
 
 
 @contextlib.contextmanager

@@ -101,6 +101,10 @@ def regroup(calls, n, guess):
         samples, guessed = (torch.zeros(0, dtype=torch.long) if rows == 0 else _call_rows(call, n, memo)), False
         if samples is None and rows is not None and rows != n and rows % n == 0 and guess(call):
             samples, guessed = torch.arange(rows) // (rows // n), True
+        elif samples is not None and rows and _count(samples, n) != rows and guess(call):
+            # Rows flattened inside the call from its input's (a router's view(-1, D)), sample-major.
+            first = next(a for a in call.args if isinstance(a, torch.Tensor))
+            samples, guessed = _reshaped(samples, n, first.shape, call.output_shapes[0]), True
         if samples is None or _count(samples, n) != rows or _is_identity(samples, n):
             continue
         device = next((a.device for a in call.args if isinstance(a, torch.Tensor)), samples.device)
