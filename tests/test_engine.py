@@ -691,6 +691,36 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
     assert not model.weight._backward_hooks
 
 
+class _MaskFirst(nn.Module):
+    """No rule: replayed. Returns a mask that needs no gradient before its product."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(3, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.tanh(x @ self.weight)
+        return y > 0, y
+
+
+def test_a_replayed_call_returning_a_mask_before_its_output_stays_module_local():
+    """The replay took its outputs by their place among those that need a gradient, from all
+    its tensor outputs: the mask stood for the product, the replay failed and the weight took
+    the whole graph."""
+    model = _MaskFirst()
+    gen = torch.Generator().manual_seed(1)
+
+    def losses_of(step):
+        mask, y = model(torch.randn(N, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True))
+        return (y * mask).tanh().sum((1, 2))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+        cockpit = _steps_of_norm_test([model.weight], losses_of)
+    assert cockpit.routes() == {"weight": "module-local: _MaskFirst replayed with torch.func"}
+
+
 def test_a_forward_pass_in_another_thread_still_shows_outputs_computed_from_another():
     """Autograd numbers each thread's nodes in the order it makes them. A call's own nodes were
     told by numbers above its inputs': a forward pass in a worker thread on an input made in

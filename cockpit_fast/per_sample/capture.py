@@ -57,16 +57,18 @@ class Call:
         direct (set[str]): Which of them are the module's own (a rule serves only those).
         args, kwargs: The call's inputs.
         outputs (list[torch.Tensor]): Its tensor outputs that require grad.
+        positions (list[int]): Where each of them is among all its tensor outputs.
         made (tuple[int, int]): The numbers autograd's nodes got in the call's thread while it ran
             (:func:`_own_nodes`).
     """
 
-    def __init__(self, module, params, direct, args, kwargs, outputs, made, time_first=False, inferred=False, unknown=False, guessed=False):
+    def __init__(self, module, params, direct, args, kwargs, outputs, positions, made, time_first=False, inferred=False, unknown=False, guessed=False):
         self.module, self.params, self.direct = module, params, direct
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(detach(a) for a in args)
         self.kwargs = {k: detach(v) for k, v in (kwargs or {}).items()}
         self.output_shapes = [o.shape for o in outputs]
+        self.output_positions = positions
         self.rule = rules.rule_for(module)
         # Kept only for a rule that reads them (a recurrent layer's states): attention weights, say, can be large.
         self.outputs = [o.detach() for o in outputs] if getattr(self.rule, "reads_outputs", False) else None
@@ -213,8 +215,8 @@ class Call:
                 with self.as_it_ran():
                     values = replay_grads(
                         self.module, self.values, self.args, self.kwargs,
-                        [torch.empty(shape, device="meta") for shape in self.output_shapes], output_grads,
-                        self.sample_dim, self.batch_size, start, stop, rows=self.routed is not None,
+                        [torch.empty(shape, device="meta") for shape in self.output_shapes], self.output_positions,
+                        output_grads, self.sample_dim, self.batch_size, start, stop, rows=self.routed is not None,
                     )
             finally:
                 _replaying[0] -= 1
@@ -556,7 +558,9 @@ class Capture:
             # rule's forms are chained through the parametrization.
             self._frames[-1][1].update(claimed_inside)
             return None
-        outputs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        tensors = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)]
+        positions = [i for i, o in enumerate(tensors) if o.requires_grad]  # (a mask returned first: not one)
+        outputs = [tensors[i] for i in positions]
         if mixing and outputs:
             token = _Mixing(module)  # lives as long as the graph through this call
             self._mixing.add(token)
@@ -589,7 +593,7 @@ class Capture:
             found = self.layouts.get(module)
             time_first, layout_unknown, layout_guessed = found == {1}, found == {0, 1}, found is None
         direct = {name for name, owner, _ in owned if owner is module}
-        call = Call(module, params, direct, args, kwargs, outputs, made, time_first, inferred, layout_unknown, layout_guessed)
+        call = Call(module, params, direct, args, kwargs, outputs, positions, made, time_first, inferred, layout_unknown, layout_guessed)
         inside = self._casts_inside.setdefault(module, {})
         device = outputs[0].device
         if device.type not in inside:  # (its code's casts: read once per device, on its first call there)

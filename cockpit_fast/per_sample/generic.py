@@ -62,13 +62,14 @@ def _sample_dims(leaves, dim, n):
     return dims
 
 
-def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim, batch, start, stop, rows=False):
+def replay_grads(module, params, args, kwargs, outputs, positions, output_grads, sample_dim, batch, start, stop, rows=False):
     """``{name: (stop - start, *shape)}``: per-sample gradients of ``params`` (names in
     ``module``) for samples ``start`` to ``stop`` of one call of ``module``.
 
     Args:
         args, kwargs: The call's inputs (detached).
-        outputs (list[torch.Tensor]): The call's tensor outputs, flattened.
+        outputs (list[torch.Tensor]): The call's tensor outputs that require grad, flattened.
+        positions (list[int]): Where each of them is among all the call's tensor outputs.
         output_grads (list): Their gradients (None where an output got none).
         sample_dim (int): Where the samples are in the inputs and outputs (0, or 1 for a module
             with ``batch_first=False``).
@@ -100,7 +101,7 @@ def replay_grads(module, params, args, kwargs, outputs, output_grads, sample_dim
             # its name (the capture sums them), and one an inner call claims stays as it is.
             leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            return tuple(tensors[i] if rows else tensors[i].squeeze(out_dims[i]) for i in kept)
+            return tuple(tensors[positions[i]] if rows else tensors[positions[i]].squeeze(out_dims[i]) for i in kept)
 
         _, pullback = vjp(forward, detached)
         # Values only: through the module's other parameters the result would carry their graph.
