@@ -1412,9 +1412,12 @@ def test_time_first_inside_with_as_many_positions_as_samples_stays_module_local(
         assert all(route.startswith("module-local") for route in routes.values()), (step, routes)
 
 
-def test_hf_xlnet_time_first_inside_with_as_many_positions_as_samples():
+@pytest.mark.parametrize("keywords", [False, True])
+def test_hf_xlnet_time_first_inside_with_as_many_positions_as_samples(keywords):
     """Hugging Face XLNet transposes its batch-first input and runs time first; at T == N its
-    calls raised (KeyError) or took the whole graph."""
+    calls raised (KeyError) or took the whole graph. Called with keywords alone
+    (``model(input_ids=ids)``), torch's global pre-hooks see no input: the samples came from
+    its first call's time-first output, T, and at T != N every call took the whole graph."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.XLNetConfig(vocab_size=13, d_model=8, n_layer=1, n_head=2, d_inner=16, dropout=0.0, mem_len=None)
@@ -1422,18 +1425,20 @@ def test_hf_xlnet_time_first_inside_with_as_many_positions_as_samples():
     unused = ("mask_emb", "r_s_bias", "seg_embed")  # (no masked tokens, no segments)
     params = [p for name, p in xlnet.named_parameters() if not name.endswith(unused)]
 
-    def losses_of(model, ids, _):
-        logits = model(ids).logits[:, :-1]
+    def losses_of(model, ids, _, keywords=False):
+        logits = (model(input_ids=ids) if keywords else model(ids)).logits[:, :-1]
         return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step, length in enumerate([N, N, N + 1]):
+    for step, length in enumerate([N + 1, N, N] if keywords else [N, N, N + 1]):
         ids = torch.randint(1, 13, (N, length), generator=gen)
         xlnet.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no whole-graph notice
-            training_step(xlnet, None, (ids, None), lambda out, _: losses_of(lambda _: out, ids, None), cockpit=cockpit, step=step)
+            losses = losses_of(xlnet, ids, None, keywords)
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
         expected = _norm_test(flat(oracle_grads(xlnet, params, losses_of, ids, None)))
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()

@@ -14,6 +14,8 @@ The hook on the outputs holds the inputs: they live as long as the graph does, n
 """
 
 import contextlib
+import sys
+import types
 import weakref
 from collections import Counter, defaultdict
 
@@ -520,7 +522,7 @@ class Capture:
         # __dict__: plain attributes only, without Module.__getattr__'s slow path on every call.
         time_first = module.__dict__.get("batch_first") is False or (bool(self._frames) and self._frames[-1][2])
         if not self._frames:  # the model's input shows its samples (a first call may not: positions looked up)
-            self._batch = _samples_in(args, 1 if time_first else 0)
+            self._batch = _samples_in(args or tuple(_keyword_inputs().values()), 1 if time_first else 0)
         self._frames.append((module, set(), time_first, torch._C._autograd._get_sequence_nr()))
 
     def _exit(self, module, args, kwargs=None, output=None):  # no output: the forward raised
@@ -936,6 +938,25 @@ another on the same parameters): it reads the step's gradient, not each sample's
 def users_hooks(param):
     """The hooks on ``param`` that are the user's: those that each sample's gradient passes too."""
     return [hook for hook in (param._backward_hooks or {}).values() if not getattr(hook, OBSERVES_THE_STEP, False)]
+
+
+# torch's code that runs the global forward pre-hooks, which it hands the positional inputs alone.
+_RUNS_PRE_HOOKS = next(
+    (c for c in torch.nn.Module._call_impl.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "inner"), None
+)
+
+
+def _keyword_inputs():
+    """The keyword inputs of the module call whose global forward pre-hooks run now (a Hugging
+    Face model called as ``model(input_ids=...)``), read where torch runs them; {} where not found."""
+    frame = sys._getframe(1)
+    for _ in range(16):  # (our hook's wrappers: torch.compiler.disable's)
+        if frame is None:
+            break
+        if frame.f_code is _RUNS_PRE_HOOKS:
+            return frame.f_locals.get("kwargs") or {}
+        frame = frame.f_back
+    return {}
 
 
 def _samples_in(args, sample_dim):
