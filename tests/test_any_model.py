@@ -777,39 +777,61 @@ def test_reentrant_activation_checkpointing_is_a_clear_error(dropout):
         collector(losses_of(model, x, y))
 
 
-def test_a_call_torch_func_cannot_replay_takes_the_whole_graph_or_is_a_clear_error():
-    class Opaque(torch.autograd.Function):  # no setup_context: torch.func cannot transform it
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
+class _Opaque(torch.autograd.Function):  # no setup_context: torch.func cannot transform it
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
 
-        @staticmethod
-        def backward(ctx, grad):
-            x, w = ctx.saved_tensors
-            return grad * w, grad * x
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, grad * x
 
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(4))
-            self.head = torch.nn.Linear(4, 3)
 
-        def forward(self, x):
-            return self.head(Opaque.apply(x, self.scale))
+class _Scaled(torch.nn.Module):
+    """Scales its input with a user's op (``fixed_batch``: reshaped to the batch size it was
+    made for, so that no call on fewer samples runs)."""
 
+    def __init__(self, fixed_batch=None):
+        super().__init__()
+        self.scale, self.head, self.fixed_batch = torch.nn.Parameter(torch.ones(4)), torch.nn.Linear(4, 3), fixed_batch
+
+    def forward(self, x):
+        scaled = _Opaque.apply(x, self.scale)
+        return self.head(scaled if self.fixed_batch is None else scaled.view(self.fixed_batch, 4))
+
+
+def _norm_test_of_a_pass_per_sample(model, x, y):
+    losses = _cross_entropy("none")(model(x), y)
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]) for loss in losses])
+    n, mean = g.shape[0], g.mean(0)
+    return float((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt())
+
+
+@pytest.mark.parametrize("info_losses", [True, False])
+def test_a_call_through_an_op_torch_func_cannot_transform_is_replayed_by_autograd(info_losses):
+    """A custom autograd.Function without setup_context: torch.func cannot replay the call, which
+    took the whole graph (or, without individual losses, was an error); autograd replays it one
+    sample at a time."""
     torch.manual_seed(0)
-    model = Scaled().double()
+    model = _Scaled().double()
+    x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+        output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=info_losses)
+    assert output["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)
+
+
+def test_a_call_that_cannot_be_replayed_takes_the_whole_graph_or_is_a_clear_error():
+    torch.manual_seed(0)
+    model = _Scaled(fixed_batch=N).double()
     x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
     # Without the individual losses there is no other exact route: the replay's error, naming it.
-    with pytest.raises(RuntimeError, match="scale in Scaled come from replaying its call with torch.func, which fails"):
+    with pytest.raises(RuntimeError, match="scale in _Scaled come from replaying its call with torch.func, which fails"):
         _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
     # With them the first step's checks send its parameters to the whole graph, saying why.
     model.zero_grad()
     with pytest.warns(RuntimeWarning, match=r"\(scale\) takes the whole-graph route .* its call cannot be replayed sample by sample"):
         output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
-    losses = _cross_entropy("none")(model(x), y)  # torch.func cannot differentiate Opaque: a backward pass per sample
-    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]) for loss in losses])
-    n, mean = g.shape[0], g.mean(0)
-    expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-    assert output["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+    assert output["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)

@@ -1241,6 +1241,39 @@ class _NumpyTanh(torch.autograd.Function):
         return torch.from_numpy(grad.detach().numpy() * (1 - y.detach().numpy() ** 2))
 
 
+class _KeepsItsOutput(nn.Module):
+    """No rule: replayed. Keeps its last output for logging (as attention maps are kept),
+    computed with ``tanh`` (torch's, or a user's op that torch.func cannot transform)."""
+
+    def __init__(self, tanh):
+        super().__init__()
+        self.weight, self.last, self.tanh = nn.Parameter(torch.randn(5, 6, dtype=torch.float64)), None, tanh
+
+    def forward(self, x):
+        self.last = y = self.tanh(x @ self.weight)
+        return y
+
+
+@pytest.mark.parametrize("tanh", [torch.tanh, _NumpyTanh.apply], ids=["torch", "no_setup_context"])
+def test_a_replayed_call_leaves_its_modules_attributes_and_runs_ops_torch_func_cannot(tanh):
+    """A replay ran the module's forward again, which set its attribute to a tensor escaped
+    from vmap: the user's model.last raised when read after a tracked step. And an op torch.func
+    cannot transform sent the module to the whole graph: one sample at a time, autograd runs it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_KeepsItsOutput(tanh), nn.Linear(6, 3)).double()
+    params = [model[0].weight]
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(N, 5, generator=gen, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+            warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)  # (vmap's, falling back)
+            _step_against_the_oracle(model, params, cockpit, GradientMetricCollector([gm.PNorm(params[0], p=2)]), step, x)
+        torch.testing.assert_close(model[0].last, torch.tanh(x @ model[0].weight), rtol=0, atol=0)
+    assert cockpit.routes()["0.weight"] == "module-local: _KeepsItsOutput replayed with torch.func"
+
+
 def test_the_whole_graph_through_an_op_vmap_cannot_batch_takes_one_sample_a_pass():
     torch.manual_seed(0)
 

@@ -91,23 +91,31 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
     detached = {name: p.detach().clone() for name, p in params.items()}
     buffers = {name: b.clone() for name, b in module.named_buffers()} if module.training else {}
 
-    def one_sample(sample_inputs, sample_cotangents):
+    def forward(p, sample_inputs):
         restored = [leaf.unsqueeze(d) if d is not None and not rows else leaf for leaf, d in zip(sample_inputs, in_dims)]
         call_args, call_kwargs = tree_unflatten(restored, spec)
+        # (The parameters the call's inner calls claim are read as they are: detached below.)
+        # Untied: a tensor held under two names the call owns gets each use's gradient under
+        # its name (the capture sums them), and one an inner call claims stays as it is.
+        leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return tuple(tensors[positions[i]] if rows else tensors[positions[i]].squeeze(out_dims[i]) for i in kept)
 
-        def forward(p):
-            # (The parameters the call's inner calls claim are read as they are: detached below.)
-            # Untied: a tensor held under two names the call owns gets each use's gradient under
-            # its name (the capture sums them), and one an inner call claims stays as it is.
-            leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            return tuple(tensors[positions[i]] if rows else tensors[positions[i]].squeeze(out_dims[i]) for i in kept)
-
-        _, pullback = vjp(forward, detached)
+    def one_sample(sample_inputs, sample_cotangents):
+        _, pullback = vjp(lambda p: forward(p, sample_inputs), detached)
         # Values only: through the module's other parameters the result would carry their graph.
         return {name: g.detach() for name, g in pullback(tuple(sample_cotangents))[0].items()}
 
-    with torch.enable_grad(), _module_hooks_set_aside(module):
+    def one_sample_by_autograd(sample_inputs, sample_cotangents):
+        # Autograd itself runs what torch.func cannot (a custom autograd.Function without setup_context).
+        p = {name: value.detach().requires_grad_() for name, value in detached.items()}
+        reached = [(out, cot) for out, cot in zip(forward(p, sample_inputs), sample_cotangents) if out.requires_grad]
+        if not reached:
+            return {name: torch.zeros_like(value) for name, value in p.items()}
+        outs, cots = zip(*reached)
+        return dict(zip(p, torch.autograd.grad(outs, list(p.values()), cots, allow_unused=True, materialize_grads=True)))
+
+    with torch.enable_grad(), _module_hooks_set_aside(module), _attributes_kept(module):
         try:
             return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
         except Exception as error:  # noqa: BLE001 (what a batched replay raises: any kind)
@@ -117,13 +125,13 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
                     "cannot be replayed sample by sample: hand in info['individual_losses'] with their graph "
                     "(the route through the whole graph), or put the module in eval mode"
                 ) from error
-            # vmap has no batching rule for an op: the same, one sample at a time.
+            # vmap has no batching rule for an op, or torch.func no transform: one sample at a time.
             samples = []
             try:
                 for k in range(n):
                     one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
                     cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
-                    samples.append(one_sample(one, cot))
+                    samples.append(one_sample_by_autograd(one, cot))
             except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
                 where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
                 caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
@@ -140,6 +148,21 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
                     "whole graph)"
                 ) from again
             return {name: torch.stack([sample[name] for sample in samples]) for name in params}
+
+
+@contextlib.contextmanager
+def _attributes_kept(module):
+    """A replay leaves the modules' attributes as it found them: one their forward pass sets (an
+    output kept for logging, a recurrent state) held the replay's tensor, escaped from
+    torch.func's transforms (reading it raised), where the user reads the model's."""
+    kept = [(m.__dict__, dict(m.__dict__)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for attributes, before in kept:
+            if attributes.keys() != before.keys() or any(attributes[key] is not value for key, value in before.items()):
+                attributes.clear()
+                attributes.update(before)
 
 
 @contextlib.contextmanager
