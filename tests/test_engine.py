@@ -1532,6 +1532,45 @@ def test_a_sparse_embedding_is_a_clear_error_in_the_forward_pass(reader):
         model(torch.randint(0, 9, (N, 3)))
 
 
+def _key_biases_alone(family):
+    """A model whose key projections' biases get a gradient zero in exact arithmetic (softmax
+    ignores a shift every key shares), their parameters, and its samples' losses."""
+    torch.manual_seed(0)
+    if family == "bert":
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+        )
+        model = transformers.BertForSequenceClassification(config)
+        params = [p for name, p in model.named_parameters() if name.endswith("key.bias")]
+        return params, lambda ids, y: F.cross_entropy(model(ids).logits, y, reduction="none")
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    embedding, head = nn.Embedding(50, 16), nn.Linear(16, 3)
+    return [attention.in_proj_bias], lambda ids, y: F.cross_entropy(head(attention(*[embedding(ids)] * 3)[0].mean(1)), y, reduction="none")
+
+
+@pytest.mark.parametrize("family", ["bert", "multihead_attention"])
+def test_tracking_only_gradients_zero_in_exact_arithmetic_is_no_false_alarm(family):
+    """Biases summed over positions to rounding noise were checked against that noise (their
+    own magnitude): tracked alone, with no other parameter's scale to go by, HF BERT's key
+    biases took the whole graph and the first step said backward() ran on another loss. The
+    magnitude is now that of the terms summed (a bias's output gradients)."""
+    params, losses_of = _key_biases_alone(family)
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        ids, y = torch.randint(0, 50, (N, 7), generator=gen), torch.randint(0, 3, (N,), generator=gen)
+        for p in params:
+            p.grad = None
+        losses = losses_of(ids, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+    assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
+
+
 @pytest.mark.parametrize("backward, warned", [("sum", True), ("mean", False), ("mean_plus_decay", True), ("mean_bf16", False)])
 def test_a_first_step_whose_backward_ran_on_another_loss_is_warned_of(backward, warned):
     model = _mlp()

@@ -74,10 +74,10 @@ def multihead_attention(module, args, kwargs, outputs, output_grads, sample_dim)
     output_grad = torch.zeros_like(attended) if output_grad is None else output_grad.to(dtype)
     grads = {
         "out_proj.weight": FactoredGrads(output_grad, attended.detach(), module.out_proj.weight.shape),
-        "out_proj.bias": DenseGrads(output_grad.sum(1)),
+        "out_proj.bias": DenseGrads(output_grad.sum(1), [output_grad]),
     }
     if module.in_proj_bias is not None:
-        grads["in_proj_bias"] = DenseGrads(torch.cat([dq.sum(1), dk.sum(1), dv.sum(1)], 1))
+        grads["in_proj_bias"] = DenseGrads(torch.cat([dq.sum(1), dk.sum(1), dv.sum(1)], 1), [dq, dk, dv])
     if not module._qkv_same_embed_dim:
         for x, d, inputs in zip("qkv", (dq, dk, dv), (query, key, value)):
             grads[f"{x}_proj_weight"] = FactoredGrads(d, inputs, getattr(module, f"{x}_proj_weight").shape)

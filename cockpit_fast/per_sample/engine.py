@@ -158,7 +158,7 @@ class Engine:
                     whole, step.sums = self._checks(losses, tracked, scale, calls, batch_size, step.handles)
                 step.forms = self._whole_graph(losses, tracked, whole, scale, calls)
                 if checks:
-                    step.sums.update({key: form.grad for key, form in step.forms.items() if not isinstance(form, HookedGrads)})
+                    step.sums.update(_sums_of(step.forms))
         except BaseException:
             step.release()
             raise
@@ -352,7 +352,7 @@ class Engine:
                 "no hook follows it)"
             )
             whole[key] = self._whole_only[key]
-        return whole, {key: summed for key, (summed, _, _) in checked.items() if key not in whole}
+        return whole, {key: entry for key, entry in checked.items() if key not in whole}
 
     def _learn_layouts(self, proven):
         """Remember where the ``proven`` calls (by the proof, or where it did not run by their
@@ -480,18 +480,20 @@ class Engine:
         return [key for key, (summed, m, computed_in) in sums.items() if not adds_up(summed, computed_in, grads[key].detach(), m, floor)]
 
     def _warn_if_another_loss(self, sums, grads):
-        """The checks' sums (``id -> sum``) are of each sample's gradient of the losses as the
-        caller weighs them: a backward pass that ran on another loss (a sum where the caller said
-        mean, a term no sample has) gives another gradient, which the statistics would set
-        against each sample's. Off by more than ANOTHER_LOSS of its norm: rounding is far less,
-        also where a model computes in a narrower dtype inside (Mamba's float32 scan in a float64
-        model: 1e-7). Parameters with the user's hooks are left out (their gradient is the
-        hooks', not the losses')."""
-        pairs = [(summed, grads[key].detach()) for key, summed in sums.items() if key in grads]
-        if not pairs:
+        """The checks' sums (``id -> (sum, magnitude, dtypes computed in)``) are of each sample's
+        gradient of the losses as the caller weighs them: a backward pass that ran on another
+        loss (a sum where the caller said mean, a term no sample has) gives another gradient,
+        which the statistics would set against each sample's. Off by more than ANOTHER_LOSS of
+        its norm, over the parameters whose sums rounding does not explain: also where a model
+        computes in a narrower dtype inside (Mamba's float32 scan in a float64 model: 1e-7), or
+        a gradient is zero in exact arithmetic (a key projection's bias: its rounding noise).
+        Parameters with the user's hooks are left out (their gradient is the hooks', not the
+        losses')."""
+        wrong = set(self._sums_wrong(sums, grads))
+        if not wrong:
             return
-        off = torch.stack([_norm(s - g).double() for s, g in pairs]).norm()  # (5% needs no float64 copies)
-        size = torch.stack([_norm(g).double() for _, g in pairs]).norm()
+        off = torch.stack([_norm(sums[key][0] - grads[key].detach()).double() for key in wrong]).norm()  # (5% needs no float64 copies)
+        size = torch.stack([_norm(grads[key].detach()).double() for key in sums if key in grads]).norm()
         if bool(off > ANOTHER_LOSS * size):  # (False where either is not finite: a NaN loss is warned of elsewhere)
             warnings.warn(
                 f"the backward pass's gradient is {float(off / size):.3g} of its norm away from the sum of the samples' "
@@ -609,7 +611,7 @@ class _Pass:
 
     def __init__(self):
         self.forms = {}  # formed before the backward pass: the whole graph's
-        self.sums = {}  # id -> the sum of its samples' gradients, where the checks ran before it
+        self.sums = {}  # id -> (the sum of its samples' gradients, their magnitude, dtypes), where the checks ran before it
         self.check = False  # the sums are checked after it (no individual losses to check before)
         self.checking = False  # the checks run for it, before it (with the individual losses) or after it
         self.users_hooks = True  # the user's hooks on parameters run in it (not the collector's own pass)

@@ -208,11 +208,19 @@ class PerSampleGrads:
 
 
 class DenseGrads(PerSampleGrads):
-    """The per-sample gradients as one tensor ``(N, *shape)``; every statistic from the ops."""
+    """The per-sample gradients as one tensor ``(N, *shape)``; every statistic from the ops.
 
-    def __init__(self, values):
+    Args:
+        terms (list[torch.Tensor], optional): What ``values`` sums over dimension 1, ``(N, T,
+            *part)`` each, the parts concatenated along the last dimension (a bias's output
+            gradients over positions): their absolute values are the scale of its rounding,
+            which its sums may have cancelled (a key projection's bias, zero in exact arithmetic).
+    """
+
+    def __init__(self, values, terms=None):
         self.values = values.detach()
         self.batch_size, self.shape = values.shape[0], values.shape[1:]
+        self._terms = terms
 
     @cached_property
     def grad(self):
@@ -228,7 +236,9 @@ class DenseGrads(PerSampleGrads):
         return self.values[start:stop]
 
     def magnitude(self):
-        return self.values.abs().sum(0)
+        if self._terms is None:
+            return self.values.abs().sum(0)
+        return torch.cat([t.abs().sum((0, 1)) for t in self._terms], -1)
 
     def stats(self, p_values):
         return stats_in_groups(self.values, p_values)

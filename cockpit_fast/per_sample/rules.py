@@ -72,8 +72,8 @@ def _batched(x, features):
 
 def _bias(output_grad, channel_dim=-1):
     """Per-sample bias gradients: the output gradient summed over everything but N and channels."""
-    g = output_grad.movedim(channel_dim, -1)
-    return DenseGrads(_sequence(g).sum(1))
+    terms = _sequence(output_grad.movedim(channel_dim, -1))
+    return DenseGrads(terms.sum(1), [terms])
 
 
 @register_rule(nn.Linear)
@@ -151,16 +151,18 @@ def _affine(module, normalized, output_grad, channel_dim):
     if module.weight is not None:
         grads["weight"] = _summed_to(output_grad * normalized, module.weight.shape, channel_dim)
     if getattr(module, "bias", None) is not None:
-        grads["bias"] = _summed_to(output_grad, module.bias.shape, channel_dim)
+        grads["bias"] = _summed_to(output_grad, module.bias.shape, channel_dim, terms_kept=True)
     return grads
 
 
-def _summed_to(t, shape, channel_dim):
-    """``t`` summed over every dimension but the samples' and the parameter's: (N, *shape)."""
+def _summed_to(t, shape, channel_dim, terms_kept=False):
+    """``t`` summed over every dimension but the samples' and the parameter's: (N, *shape);
+    ``terms_kept``: ``t`` is kept for the magnitude (alive anyway: a bias's output gradient)."""
     if channel_dim != -1:
         t = t.movedim(channel_dim, -1)
     middle = math.prod(t.shape[1 : t.dim() - len(shape)])
-    return DenseGrads(t.reshape(t.shape[0], middle, *shape).sum(1))
+    terms = t.reshape(t.shape[0], middle, *shape)
+    return DenseGrads(terms.sum(1), [terms] if terms_kept else None)
 
 
 @register_rule(nn.LayerNorm)
