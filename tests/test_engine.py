@@ -691,6 +691,50 @@ def test_outputs_whose_hooks_cannot_tell_the_samples_apart_take_the_whole_graph(
     assert not model.weight._backward_hooks
 
 
+class _TakesItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 3, dtype=torch.float64))
+
+    def forward(self, x, weight):
+        return torch.tanh(x @ weight.T)
+
+
+class _HandsItsChildASlice(nn.Module):
+    """Hands its child a slice of the child's own weight, as DBRX's experts hand their GLU each
+    expert's weights: the child's forward reads its input, not its parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = _TakesItsWeight()
+
+    def forward(self, x):
+        return self.child(x, self.child.weight.view(2, 3, 3)[1])
+
+
+@pytest.mark.parametrize("hand_in_losses", [True, False])
+def test_a_parameter_handed_to_its_own_module_is_claimed_by_the_caller(hand_in_losses):
+    """The child's call claimed the weight it was handed a view of, and its replay (of the
+    child's own weight) got nothing: the weight took the whole graph, or without the losses
+    raised. The caller's call claims it, replayed: module-local."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_HandsItsChildASlice(), nn.Linear(3, 3)).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = torch.randn(N, 3, dtype=torch.float64, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": N, "loss": losses.mean()} | ({"individual_losses": losses} if hand_in_losses else {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+            with cockpit(step, info=info):
+                losses.mean().backward(retain_graph=True)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(_one_pass_per_sample(losses, params)), rel=1e-9), step
+    assert cockpit.routes()["0.child.weight"] == "module-local: _HandsItsChildASlice replayed with torch.func"
+
+
 class _MaskFirst(nn.Module):
     """No rule: replayed. Returns a mask that needs no gradient before its product."""
 

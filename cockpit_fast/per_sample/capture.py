@@ -567,8 +567,13 @@ class Capture:
             token = _Mixing(module)  # lives as long as the graph through this call
             self._mixing.add(token)
             outputs[0].register_hook(lambda grad, token=token: None)
-        # Its own parameters, and its submodules' that no call inside it has claimed.
-        params = {name: p for name, owner, p in owned if owner is module or id(p) not in claimed_inside} if outputs else {}
+        # Its own parameters, and its submodules' that no call inside it has claimed; not those
+        # it is handed, or views of them (DBRX's experts hand their GLU each expert's slice of
+        # its weights): the caller uses them, and its call claims them.
+        handed = {id(a if a._base is None else a._base) for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)}
+        params = {
+            name: p for name, owner, p in owned if (owner is module or id(p) not in claimed_inside) and id(p) not in handed
+        } if outputs else {}
         if self._frames:
             self._frames[-1][1].update(claimed_inside, (id(p) for p in params.values()))
         if not params:
