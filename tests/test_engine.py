@@ -1292,19 +1292,22 @@ class _KeepsItsOutput(nn.Module):
     def __init__(self, tanh):
         super().__init__()
         self.weight, self.last, self.tanh = nn.Parameter(torch.randn(5, 6, dtype=torch.float64)), None, tanh
+        self.register_buffer("last_mean", torch.zeros((), dtype=torch.float64))
 
     def forward(self, x):
         self.last = y = self.tanh(x @ self.weight)
+        self.last_mean = y.detach().mean()  # (a buffer: held apart from the attributes)
         return y
 
 
 @pytest.mark.parametrize("tanh", [torch.tanh, _NumpyTanh.apply], ids=["torch", "no_setup_context"])
 def test_a_replayed_call_leaves_its_modules_attributes_and_runs_ops_torch_func_cannot(tanh):
-    """A replay ran the module's forward again, which set its attribute to a tensor escaped
-    from vmap: the user's model.last raised when read after a tracked step. And an op torch.func
+    """A replay ran the module's forward again, which set its attribute (and, in eval mode, its
+    buffer) to a tensor escaped from vmap: the user's model.last raised when read after a
+    tracked step. And an op torch.func
     cannot transform sent the module to the whole graph: one sample at a time, autograd runs it."""
     torch.manual_seed(0)
-    model = nn.Sequential(_KeepsItsOutput(tanh), nn.Linear(6, 3)).double()
+    model = nn.Sequential(_KeepsItsOutput(tanh), nn.Linear(6, 3)).double().eval()  # (eval: the replay copies no buffer)
     params = [model[0].weight]
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
@@ -1315,6 +1318,7 @@ def test_a_replayed_call_leaves_its_modules_attributes_and_runs_ops_torch_func_c
             warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)  # (vmap's, falling back)
             _step_against_the_oracle(model, params, cockpit, GradientMetricCollector([gm.PNorm(params[0], p=2)]), step, x)
         torch.testing.assert_close(model[0].last, torch.tanh(x @ model[0].weight), rtol=0, atol=0)
+        torch.testing.assert_close(model[0].last_mean, torch.tanh(x @ model[0].weight).mean(), rtol=0, atol=0)
     assert cockpit.routes()["0.weight"] == "module-local: _KeepsItsOutput replayed with torch.func"
 
 

@@ -152,17 +152,19 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
 
 @contextlib.contextmanager
 def _attributes_kept(module):
-    """A replay leaves the modules' attributes as it found them: one their forward pass sets (an
-    output kept for logging, a recurrent state) held the replay's tensor, escaped from
-    torch.func's transforms (reading it raised), where the user reads the model's."""
-    kept = [(m.__dict__, dict(m.__dict__)) for m in module.modules()]
+    """A replay leaves the modules' attributes and buffers as it found them: one their forward
+    pass sets (an output kept for logging, a recurrent state, a statistic in a buffer) held the
+    replay's tensor, escaped from torch.func's transforms (reading it raised), where the user
+    reads the model's."""
+    # (A scripted module's buffers are no dict: its replay cannot run anyway.)
+    kept = [(held, dict(held)) for m in module.modules() for held in (m.__dict__, m._buffers) if isinstance(held, dict)]
     try:
         yield
     finally:
-        for attributes, before in kept:
-            if attributes.keys() != before.keys() or any(attributes[key] is not value for key, value in before.items()):
-                attributes.clear()
-                attributes.update(before)
+        for held, before in kept:
+            if held.keys() != before.keys() or any(held[key] is not value for key, value in before.items()):
+                held.clear()
+                held.update(before)
 
 
 @contextlib.contextmanager
