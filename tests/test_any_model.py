@@ -835,3 +835,31 @@ def test_a_call_that_cannot_be_replayed_takes_the_whole_graph_or_is_a_clear_erro
     with pytest.warns(RuntimeWarning, match=r"\(scale\) takes the whole-graph route .* its call cannot be replayed sample by sample"):
         output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
     assert output["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)
+
+
+def test_hf_patchtst_in_training_mode_matches_a_pass_per_sample():
+    """PatchTST folds each sample's channels into rows that the graph does not tell: they are
+    taken sample-major, a guess its batch norm in training mode refutes, and the guess is taken
+    back. The checks' pass had kept those rows' gradients regrouped, and forming them on the call
+    taken back raised (a size mismatch in the batch norm's rule)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PatchTSTConfig(
+        num_input_channels=3, context_length=32, prediction_length=8, patch_length=8, patch_stride=8, d_model=16,
+        num_attention_heads=2, num_hidden_layers=1, ffn_dim=32, dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
+        positional_dropout=0.0, path_dropout=0.0, head_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.PatchTSTForPrediction(config).double().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(1)
+    past, future = torch.randn(N, 32, 3, generator=gen, dtype=torch.float64), torch.randn(N, 8, 3, generator=gen, dtype=torch.float64)
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    losses = (model(past_values=past).prediction_outputs - future).square().mean((1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the whole graph's notice: upstream of its batch norms)
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True, materialize_grads=True)]) for loss in losses])
+    n, mean = g.shape[0], g.mean(0)
+    expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(expected), rel=1e-9)

@@ -110,6 +110,7 @@ class Call:
         self.outputs_entangled, self.derived_outputs = (None, ()) if self.rule is not None else _outputs_apart(module, outputs, made)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
+        self.ungrouped_from = None  # the Regrouping routed.ungroup took back (gradients taken under it)
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
         self.layout_unknown = unknown  # as many positions as samples, of a module found both ways
         self.layout_guessed = guessed  # as many positions as samples, of a module never found either way

@@ -664,6 +664,8 @@ class _SumsOnTheWay:
         ``skip`` (taking the whole graph already: their replays need not run)."""
         held, self._held = self._held, {}
         for call, grads in held.items():
+            if call.routed is None and call.ungrouped_from is not None:  # regrouped as they came, taken back since
+                grads = [call.ungrouped_from.rows_of(g) for g in grads]
             self._add(call, call.forms(grads), skip)
 
     def _add(self, call, forms, skip=()):

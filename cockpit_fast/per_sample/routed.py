@@ -124,7 +124,7 @@ def ungroup(call):
     """Takes back a regrouping of ``call``'s rows (one guessed sample-major that the proof then
     refuted: positions looked up once for every sample, as many as a multiple of N)."""
     call.args, call.kwargs, call.output_shapes, call.batch_size = call.ungrouped
-    call.routed, call._replayed = None, None
+    call.ungrouped_from, call.routed, call._replayed = call.routed, None, None
 
 
 def _is_identity(samples, n):
