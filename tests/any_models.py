@@ -489,6 +489,13 @@ def assert_counts_close(actual, expected, values, edges, slack=0):
     assert (actual - expected).abs().sum() <= 2 * (near + slack), (actual - expected).abs().sum()
 
 
+def one_pass_per_sample(losses, params, **grad_options):
+    """``(N, D)`` every sample's gradient of ``params``, flattened, from a backward pass of its own."""
+    return torch.stack(
+        [torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True, **grad_options)]) for loss in losses]
+    )
+
+
 def gradient_tests(g):
     """Cockpit's NormTest, InnerTest and OrthoTest from individual gradients ``g`` (N, D), from
     their definitions; they do not change when every gradient is scaled alike."""

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from any_models import MODELS, assert_counts_close, build, flat, oracle_grads
+from any_models import MODELS, assert_counts_close, build, flat, gradient_tests, one_pass_per_sample, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
@@ -260,13 +260,10 @@ def test_parameters_of_a_submodule_never_run_have_zero_gradients_said_once(with_
         warnings.simplefilter("error")  # said once
         _step(model, losses_of, x, y, cockpit, step=1, drop_info=drop)
     expected_grads = _oracle(model, params, losses_of, x, y, {})  # zeros for never_run's
-    g = flat(expected_grads)
-    n, mean = g.shape[0], g.mean(0)
-    norm_test = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-    inner_test = ((g @ mean).var() / (n * (mean**2).sum() ** 2)).sqrt()
+    expected = gradient_tests(flat(expected_grads))
     output = cockpit.get_output()[1]
-    assert output["NormTest"] == pytest.approx(float(norm_test), rel=1e-9)
-    assert output["InnerTest"] == pytest.approx(float(inner_test), rel=1e-9)
+    assert output["NormTest"] == pytest.approx(expected["NormTest"], rel=1e-9)
+    assert output["InnerTest"] == pytest.approx(expected["InnerTest"], rel=1e-9)
     assert output["GradNorm"] == pytest.approx([float(e.mean(0).norm()) for e in expected_grads], rel=1e-9, abs=1e-12)
     assert output["GradNorm"][2:4] == [0.0, 0.0]
 
@@ -297,9 +294,8 @@ def test_a_parameter_the_whole_graph_finds_unused_has_zero_gradients():
         warnings.simplefilter("ignore")  # (the whole-graph route and the unreached parameter, said)
         _step(model, losses_of, x, y, cockpit)
     g = flat(_oracle(model, params, losses_of, x, y, {}))
-    mean = g.mean(0)
     output = cockpit.get_output()[0]
-    assert output["NormTest"] == pytest.approx(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5, rel=1e-9)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9)
     assert output["GradNorm"][0] == 0.0 and output["GradNorm"][1] > 0
 
 
@@ -440,9 +436,7 @@ def test_a_channel_first_layer_on_rows_of_unequal_counts_after_a_first_step_of_e
                 losses.mean().backward(retain_graph=True)
         # Each loss's gradient in the batched forward pass (a batch norm in training mode mixes
         # the samples: their per-sample gradients are these, as BackPACK's).
-        g = torch.stack([flat([t.unsqueeze(0) for t in torch.autograd.grad(l, params, retain_graph=True)])[0] for l in losses])
-        mean = g.mean(0)
-        expected = float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5
+        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), f"step {step}"
 
 
@@ -515,10 +509,8 @@ def test_hf_fused_experts_and_their_routers_stay_module_local_and_match_a_pass_p
             warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
             with cockpit(step, info=info):
                 losses.mean().backward(retain_graph=True)
-        g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses]).double()
-        n, mean = g.shape[0], g.mean(0)
-        expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-4 if dtype == torch.float32 else 1e-8), step
+        expected = gradient_tests(one_pass_per_sample(losses, params).double())["NormTest"]
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-4 if dtype == torch.float32 else 1e-8), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
     assert "module-local: MixtralExperts replayed with torch.func, rows regrouped by sample" in cockpit.routes().values() or name != "mixtral"
 
@@ -572,9 +564,7 @@ def test_a_call_that_draws_random_numbers_takes_the_whole_graph():
     g = flat(_oracle(model, params, losses_of, x, y, {}))
     torch.manual_seed(5)
     output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
-    mean = g.mean(0)
-    expected = ((((g**2).sum(1)).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())).sqrt()
-    assert output["NormTest"] == pytest.approx(float(expected), rel=1e-7)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-7)
     with pytest.raises(ValueError, match="need every sample's own loss .*draws random numbers"):
         _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
 
@@ -667,9 +657,7 @@ def _norm_test_against_oracle(model, x, y, losses_of, steps=1, before_step=None)
     for step in range(steps):
         if before_step:
             before_step(step)
-        g = flat(_oracle(model, params, losses_of, x, y, {}))
-        mean = g.mean(0)
-        expected.append(float(((g**2).sum() - N * (mean**2).sum()) / (N - 1) / (N * (mean**2).sum())) ** 0.5)
+        expected.append(gradient_tests(flat(_oracle(model, params, losses_of, x, y, {})))["NormTest"])
         _step(model, losses_of, x, y, cockpit, step)
     output = cockpit.get_output()
     return [output[s]["NormTest"] for s in range(steps)], expected
@@ -804,9 +792,7 @@ class _Scaled(torch.nn.Module):
 
 def _norm_test_of_a_pass_per_sample(model, x, y):
     losses = _cross_entropy("none")(model(x), y)
-    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]) for loss in losses])
-    n, mean = g.shape[0], g.mean(0)
-    return float((((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt())
+    return gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
 
 
 @pytest.mark.parametrize("info_losses", [True, False])
@@ -859,7 +845,5 @@ def test_hf_patchtst_in_training_mode_matches_a_pass_per_sample():
         warnings.simplefilter("ignore", RuntimeWarning)  # (the whole graph's notice: upstream of its batch norms)
         with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(loss, params, retain_graph=True, materialize_grads=True)]) for loss in losses])
-    n, mean = g.shape[0], g.mean(0)
-    expected = (((g**2).sum() - n * (mean**2).sum()) / (n - 1) / (n * (mean**2).sum())).sqrt()
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+    expected = gradient_tests(one_pass_per_sample(losses, params, materialize_grads=True))["NormTest"]
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-9)

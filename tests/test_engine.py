@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-from any_models import build, flat, oracle_grads
+from any_models import build, flat, gradient_tests, one_pass_per_sample, oracle_grads
 from cockpit_fast import Cockpit, quantities
 from cockpit_fast.gradient_metrics import GradientMetricCollector
 from cockpit_fast.gradient_metrics import metrics as gm
@@ -28,18 +28,6 @@ from cockpit_fast.utils.training import training_step
 
 N = 6
 EVERY = staticmethod(lambda step: True)
-
-
-def _norm_test(g):
-    """Cockpit's NormTest from per-sample gradients ``g`` (N, D) of each sample's own loss."""
-    n, mean = g.shape[0], g.mean(0)
-    mean_sq = (mean**2).sum()
-    return float((((g**2).sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt())
-
-
-def _one_pass_per_sample(losses, params):
-    """``(N, D)`` every sample's gradient of ``params``, flattened, from a backward pass of its own."""
-    return torch.stack([torch.cat([part.flatten() for part in torch.autograd.grad(loss, params, retain_graph=True)]) for loss in losses])
 
 
 def _steps_of_norm_test(params, losses_of, steps=2):
@@ -54,8 +42,8 @@ def _steps_of_norm_test(params, losses_of, steps=2):
         losses = losses_of(step)
         with cockpit(step, info={"batch_size": losses.shape[0], "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        g = one_pass_per_sample(losses, params)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9), step
     return cockpit
 
 
@@ -98,7 +86,7 @@ def test_autocast_takes_the_layers_rules_and_matches_the_oracle_within_its_round
     g = _oracle(model, x, y)
     eps = torch.finfo(dtype).eps
     output = cockpit.get_output()[0]
-    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=8 * eps)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=8 * eps)
     norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
     assert output["GradNorm"] == pytest.approx(norms, rel=8 * eps)
 
@@ -121,7 +109,7 @@ def test_a_transformer_under_bf16_autocast_keeps_module_local_routes_and_matches
     g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: token_losses(m(a), b), tokens, tokens))
     output = cockpit.get_output()[0]
     # bf16 operands in every product: agreement to a few of its eps, not float32's.
-    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=0.05)
     norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
 
@@ -154,7 +142,7 @@ def test_a_call_computing_in_autocasts_dtype_but_returning_float32_is_checked_at
     assert cockpit.routes()["2.bias"] == "module-local: _UpcastLinear replayed with torch.func"
     g = _oracle(model, x, y)
     output = cockpit.get_output()[0]
-    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=0.05)
     norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05)
 
@@ -189,7 +177,7 @@ def test_a_float64_model_whose_layer_computes_in_float32_inside_is_checked_at_th
         with cockpit(0, info=info):
             losses.mean().backward()
     assert cockpit.routes()["2.weight"] == "module-local: _Float32Norm replayed with torch.func"
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-5)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(_oracle(model, x, y))["NormTest"], rel=1e-5)
 
 
 def test_a_cockpit_inside_an_autocast_region_computes_its_statistics_in_the_models_dtypes():
@@ -215,7 +203,7 @@ def test_a_cockpit_inside_an_autocast_region_computes_its_statistics_in_the_mode
     mean = g.mean(0)
     inner = float(((g @ mean - (mean**2).sum()) ** 2).sum() / (N - 1) / N / (mean**2).sum() ** 2)
     output = cockpit.get_output()[0]
-    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=1e-6)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-6)
     assert output["InnerTest"] == pytest.approx(inner**0.5, rel=1e-6)
 
 
@@ -253,7 +241,7 @@ def test_a_functional_use_outside_its_layer_under_autocast_still_takes_the_whole
         cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY), quantities.GradNorm(EVERY)], autocast=torch.bfloat16)
     assert cockpit.routes()["head.bias"] == "whole graph"
     g = _oracle(model, x, y)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=0.05)
 
 
 def test_samples_that_interact_under_bf16_autocast_take_the_whole_graph():
@@ -277,7 +265,7 @@ def test_samples_that_interact_under_bf16_autocast_take_the_whole_graph():
         cockpit = _tracked(model, x, y, [quantities.NormTest(EVERY)], autocast=torch.bfloat16)
     assert cockpit.routes()["lin.weight"] == "whole graph"
     g = _oracle(model, x, y)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=0.02)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=0.02)
 
 
 class _RoundsItsOwnWay(torch.autograd.Function):
@@ -330,7 +318,7 @@ def test_kernels_that_round_otherwise_in_each_pass_are_not_samples_that_interact
     else:
         assert set(routes.values()) == {"module-local: Linear rule"}
     g = _oracle(model, x, y)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=2e-3)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=2e-3)
 
 
 def test_a_random_draw_in_the_backward_pass_does_not_turn_the_proof_off():
@@ -403,7 +391,7 @@ def test_multihead_attention_under_bf16_autocast_keeps_its_rule_and_matches_the_
     assert "module-local: MultiheadAttention rule" in routes and not [r for r in routes if "whole" in r or "replayed" in r]
     g = _oracle(model, x, y)
     output = cockpit.get_output()[0]
-    assert output["NormTest"] == pytest.approx(_norm_test(g), rel=0.05)
+    assert output["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=0.05)
     norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
     assert output["GradNorm"] == pytest.approx(norms, rel=0.05, abs=1e-6)
 
@@ -446,7 +434,7 @@ def test_individual_losses_of_shape_n_by_1_as_cockpits_own_tests_pass_them():
         values.append(cockpit.get_output()[0]["NormTest"])
     twin = copy.deepcopy(model).double()
     g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.mse_loss(m(a), b, reduction="none")[:, 0], x.double(), y.double()))
-    assert values[0] == values[1] == pytest.approx(_norm_test(g), rel=1e-4)
+    assert values[0] == values[1] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-4)
 
 
 def test_a_batch_of_no_samples_with_individual_losses():
@@ -469,7 +457,7 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
     bias = [name for name in routes if "relative_attention_bias" in name]
     assert len(bias) == 2 and {routes[name] for name in bias} == {"module-local: Embedding rule"}
     g = flat(oracle_grads(model, list(model.parameters()), losses_of, x, None))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-7)
 
 
 
@@ -493,9 +481,9 @@ def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, sh
             else:
                 rows = watching(losses)
                 losses = losses_of(*inputs)  # (the collector's pass frees the graph)
-        g = _one_pass_per_sample(losses, params)
+        g = one_pass_per_sample(losses, params)
         if reader == "cockpit":
-            assert watching.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=rel), step
+            assert watching.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=rel), step
         else:
             expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
             # (a gradient zero in exact arithmetic, a key projection's bias, is rounding noise either way)
@@ -731,7 +719,7 @@ def test_a_parameter_handed_to_its_own_module_is_claimed_by_the_caller(hand_in_l
             warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
             with cockpit(step, info=info):
                 losses.mean().backward(retain_graph=True)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(_one_pass_per_sample(losses, params)), rel=1e-9), step
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(one_pass_per_sample(losses, params))["NormTest"], rel=1e-9), step
     assert cockpit.routes()["0.child.weight"] == "module-local: _HandsItsChildASlice replayed with torch.func"
 
 
@@ -1009,8 +997,8 @@ def test_calls_of_an_earlier_step_whose_graph_the_user_keeps_are_no_part_of_this
         with cockpit(step, info={"batch_size": N, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
         if step % 2 == 0:
-            g = _one_pass_per_sample(losses, params)
-            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+            g = one_pass_per_sample(losses, params)
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9), step
     assert set(cockpit.routes().values()) == {"module-local: _Gate replayed with torch.func", "module-local: Linear rule"}
 
 
@@ -1095,8 +1083,8 @@ def test_an_untracked_pass_kept_alive_and_an_optimizer_step_leave_a_step_without
         losses = model(x).square().sum(1)
         with cockpit(step, info={"batch_size": N, "optimizer": optimizer}):
             losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        g = one_pass_per_sample(losses, params)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9), step
         model.zero_grad()
         kept.append(model(x + 0.01).square().sum(1).mean())  # (the second pass, its loss kept)
         kept[-1].backward(retain_graph=True)
@@ -1220,7 +1208,7 @@ def test_a_parameter_upstream_of_a_shared_call_taking_the_whole_graph_leaves_its
     assert routes["t5.model.encoder.block.0.layer.0.SelfAttention.q.weight"] == "whole graph"
     assert routes["t5.model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] == "module-local: Embedding rule"
     g = flat(oracle_grads(model, list(model.parameters()), losses_of, x, None))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-7)
 
 
 def test_only_parameters_upstream_of_a_training_batch_norm_take_the_whole_graph():
@@ -1266,7 +1254,7 @@ def test_the_whole_graphs_passes_hold_a_chunk_bounded_by_the_activations_and_sta
     assert cockpit.routes()["0.weight"] == "whole graph"
     assert rows == [1] * N
     g = _oracle(model, x, y)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-7)
 
 
 class _NumpyTanh(torch.autograd.Function):
@@ -1342,8 +1330,8 @@ def test_the_whole_graph_through_an_op_vmap_cannot_batch_takes_one_sample_a_pass
     assert cockpit.routes()["lin.weight"] == "whole graph"
     twin = copy.deepcopy(model)  # the oracle: one backward pass per sample through the batch's forward pass
     losses = F.cross_entropy(twin(x), y, reduction="none")
-    g = _one_pass_per_sample(losses, list(twin.parameters()))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-10)
+    g = one_pass_per_sample(losses, list(twin.parameters()))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-10)
 
 
 def test_lora_tracks_the_trainable_parameters_and_says_so_once():
@@ -1358,7 +1346,7 @@ def test_lora_tracks_the_trainable_parameters_and_says_so_once():
     training_step(lora, None, (x, None), lambda out, _: losses_of(lambda _: out, x, None), cockpit=cockpit)
     assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
     g = flat(oracle_grads(lora, trainable, losses_of, x, None))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-7)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-7)
 
 
 def test_a_parameter_frozen_after_the_cockpit_was_made_is_a_clear_error():
@@ -1395,7 +1383,7 @@ def test_positions_looked_up_before_the_tokens_keep_the_models_samples_and_rules
         losses = losses_of(model, ids, y)
         with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
-        expected = _norm_test(flat(oracle_grads(model, list(model.parameters()), losses_of, ids, y)))
+        expected = gradient_tests(flat(oracle_grads(model, list(model.parameters()), losses_of, ids, y)))["NormTest"]
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
 
@@ -1474,7 +1462,7 @@ def _steps_against_the_oracle(model, lengths, reader):
                 rows = watching(losses)  # (N, parameters): each sample's norm of each
         oracle = oracle_grads(model, params, losses_of, x, y)
         if reader == "cockpit":
-            got, expected = watching.get_output()[step]["NormTest"], _norm_test(flat(oracle))
+            got, expected = watching.get_output()[step]["NormTest"], gradient_tests(flat(oracle))["NormTest"]
             assert got == pytest.approx(expected, rel=1e-10), (step, length)
         else:
             expected = torch.stack([g.flatten(1).norm(dim=1) for g in oracle], 1)
@@ -1520,7 +1508,7 @@ def test_hf_xlnet_time_first_inside_with_as_many_positions_as_samples(keywords):
             losses = losses_of(xlnet, ids, None, keywords)
             with cockpit(step, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
                 losses.mean().backward()
-        expected = _norm_test(flat(oracle_grads(xlnet, params, losses_of, ids, None)))
+        expected = gradient_tests(flat(oracle_grads(xlnet, params, losses_of, ids, None)))["NormTest"]
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
 
@@ -1548,7 +1536,7 @@ def test_a_guess_where_sizes_cannot_tell_is_proven_at_the_next_step_with_individ
         assert len(guessed) == (step == 0), (step, guessed)
         assert not guessed or "4 tracked parameters (inp.weight, inp.bias, mix.weight, mix.bias)" in guessed[0], guessed
         if step:
-            expected = _norm_test(flat(oracle_grads(model, params, losses_of, x, y)))
+            expected = gradient_tests(flat(oracle_grads(model, params, losses_of, x, y)))["NormTest"]
             assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
 
@@ -1663,7 +1651,7 @@ def test_routes_name_the_models_parameters_under_activation_checkpointing():
             losses.mean().backward()
         assert list(cockpit.routes()) == [name for name, _ in model.named_parameters()], step
     unchecked = nn.Sequential(model.first, nn.Tanh(), model.second)  # the same function (torch.func refuses checkpoints)
-    assert cockpit.get_output()[1]["NormTest"] == pytest.approx(_norm_test(_oracle(unchecked, x, y)), rel=1e-4)
+    assert cockpit.get_output()[1]["NormTest"] == pytest.approx(gradient_tests(_oracle(unchecked, x, y))["NormTest"], rel=1e-4)
 
 
 def test_a_composable_checkpoint_is_a_clear_error_where_the_step_needs_passes_of_its_own():
@@ -1689,7 +1677,7 @@ def test_a_composable_checkpoint_is_a_clear_error_where_the_step_needs_passes_of
         loss = F.cross_entropy(model(x), y)
         with cockpit(step, info={"batch_size": N, "loss": loss}):
             loss.backward()
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(_oracle(unchecked, x, y)), rel=1e-9), step
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(_oracle(unchecked, x, y))["NormTest"], rel=1e-9), step
 
 
 def test_a_replayed_calls_per_sample_gradients_carry_no_graph():
@@ -1721,7 +1709,7 @@ def test_two_cockpits_on_one_model_each_get_the_oracles_numbers():
         losses = F.cross_entropy(model(x), y, reduction="none")
         with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
-        assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-4)
+        assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-4)
 
 
 def test_two_cockpits_around_one_backward_pass_each_get_the_oracles_numbers():
@@ -1736,7 +1724,7 @@ def test_two_cockpits_around_one_backward_pass_each_get_the_oracles_numbers():
     info = {"batch_size": N, "individual_losses": losses, "loss": losses.mean()}
     with outer(0, info=info), inner(0, info=dict(info)):
         losses.mean().backward()
-    assert outer.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-4)
+    assert outer.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-4)
     norms = [float(part.mean(0).norm()) for part in g.split([p.numel() for p in model.parameters()], 1)]
     assert inner.get_output()[0]["GradNorm"] == pytest.approx(norms, rel=1e-4)
 
@@ -1763,7 +1751,7 @@ def test_a_head_a_step_skips_after_the_checks_saw_it_is_unused_not_sent_to_the_w
                 losses.mean().backward()
         assert not [w for w in said if "whole-graph route" in str(w.message)], step
         # (the head the step skips: every sample's gradient zero, which adds nothing to NormTest)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-4)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(_oracle(model, x, y))["NormTest"], rel=1e-4)
 
 
 def test_statistics_that_raise_in_the_backward_pass_raise_when_the_step_ends(monkeypatch):
@@ -2020,7 +2008,7 @@ def test_the_forward_pass_of_a_step_no_quantity_tracks_is_not_watched():
     x, y = _steps(model, cockpit, [3, 4], gen)
     assert sorted(cockpit.get_output()) == [0, 2, 4]
     assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
-    assert cockpit.get_output()[4]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-4)
+    assert cockpit.get_output()[4]["NormTest"] == pytest.approx(gradient_tests(_oracle(model, x, y))["NormTest"], rel=1e-4)
 
 
 def test_a_step_number_that_skips_ahead_to_a_tracked_step_takes_the_whole_graph_and_says_why():
@@ -2031,7 +2019,7 @@ def test_a_step_number_that_skips_ahead_to_a_tracked_step_takes_the_whole_graph_
     _steps(model, cockpit, [0, 1, 2], gen)  # step 3 untracked: not watched
     with pytest.warns(RuntimeWarning, match="forward pass ran while the cockpit was not watching"):
         x, y = _steps(model, cockpit, [6], gen)  # its forward pass was not watched: exact all the same
-    assert cockpit.get_output()[6]["NormTest"] == pytest.approx(_norm_test(_oracle(model, x, y)), rel=1e-4)
+    assert cockpit.get_output()[6]["NormTest"] == pytest.approx(gradient_tests(_oracle(model, x, y))["NormTest"], rel=1e-4)
     x, y = _steps(model, cockpit, [8], gen)  # watched again
     assert set(cockpit.routes().values()) == {"module-local: Linear rule"}
     _steps(model, cockpit, [9, 10], gen)
@@ -2087,9 +2075,9 @@ def _step_against_the_oracle(model, params, cockpit, collector, step, x):
         warnings.simplefilter("ignore")  # (the whole graph's notice)
         with cockpit(step, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
+        g = one_pass_per_sample(losses, params)
         norms = collector(F.cross_entropy(model(x), y, reduction="none"))  # (a batch norm: the same batch statistics)
-    assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+    assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9), step
     expected = torch.stack([gp.flatten(1).norm(dim=1) for gp in _per_parameter(g, params)], 1)
     torch.testing.assert_close(norms.double().reshape(expected.shape), expected, rtol=1e-9, atol=0, msg=f"step {step}")
 
@@ -2239,8 +2227,8 @@ def test_a_module_that_changes_its_parameters_data_in_its_forward_pass_is_replay
             warnings.simplefilter("ignore")  # (torch's notice of a batching rule it lacks)
             with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
                 losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params).double()
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-5), step
+        g = one_pass_per_sample(losses, params).double()
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-5), step
 
 
 def test_a_scripted_submodule_takes_the_whole_graph():
@@ -2257,8 +2245,8 @@ def test_a_scripted_submodule_takes_the_whole_graph():
     with pytest.warns(RuntimeWarning, match=r"0\.0\.weight, 0\.0\.bias\) take the whole-graph route"):
         with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward(retain_graph=True)
-    g = _one_pass_per_sample(losses, params)
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9)
+    g = one_pass_per_sample(losses, params)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the whole graph's notice)
         norms = GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
@@ -2306,8 +2294,8 @@ def test_a_replayed_call_using_one_weight_under_two_names_stays_module_local(blo
         info = {"batch_size": 8, "loss": losses.mean()} | ({"individual_losses": losses} if hand_in_losses else {})
         with cockpit(step, info=info):
             losses.mean().backward(retain_graph=True)
-        g = _one_pass_per_sample(losses, params)
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-9), step
+        g = one_pass_per_sample(losses, params)
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
     norms = GradientMetricCollector([gm.PNorm(model, p=2)])(F.cross_entropy(model(x), y, reduction="none"))
     torch.testing.assert_close(torch.as_tensor(norms).flatten().double(), g.norm(dim=1), rtol=1e-9, atol=0)

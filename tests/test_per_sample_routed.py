@@ -12,7 +12,7 @@ from torch import nn
 
 import any_models
 import test_any_model
-from any_models import CLASSES, VOCAB, WIDTH, class_losses, flat
+from any_models import CLASSES, VOCAB, WIDTH, class_losses, flat, gradient_tests
 from cockpit_fast import Cockpit, quantities
 
 EXPERTS, STEPS = 4, 3
@@ -188,14 +188,8 @@ def test_quantities_and_gradient_metrics_match_the_oracle(name, dtype):
 
 
 def _expected(g, hist_range, bins):
-    """NormTest, InnerTest, GradHist1d counts of per-sample gradients ``g`` (N, D)."""
-    n, mean = g.shape[0], g.mean(0)
-    g_sq, mean_sq, projections = (g**2).sum(1), (mean**2).sum(), g @ mean
-    return {
-        "NormTest": float(((g_sq.sum() - n * mean_sq) / (n - 1) / (n * mean_sq)).sqrt()),
-        "InnerTest": float((projections.var() / (n * mean_sq**2)).sqrt()),
-        "GradHist1d": test_any_model._hist1d_expected(g.flatten(), *hist_range, bins),
-    }
+    """NormTest, InnerTest, OrthoTest, GradHist1d counts of per-sample gradients ``g`` (N, D)."""
+    return gradient_tests(g) | {"GradHist1d": test_any_model._hist1d_expected(g.flatten(), *hist_range, bins)}
 
 
 def _steps(name, dtype, n=6):

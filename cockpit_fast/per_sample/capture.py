@@ -342,12 +342,12 @@ def _computed_in(args, outputs, autocast):
     return least_precise(dtypes)
 
 
-def _own_nodes(starts, made):
+def _own_nodes(starts, made, stops=frozenset()):
     """The autograd nodes a call made, from those in ``starts`` (its outputs') down, and the
-    leaves they reach: autograd numbers the nodes a thread makes in order, and ``made`` is the
-    range of numbers the call's thread gave while it ran (its inputs' numbers cannot tell:
-    another thread, numbering on its own, may have made them, and the call may change one in
-    place)."""
+    leaves they reach, not going past the edges ``stops`` (its other outputs): autograd numbers
+    the nodes a thread makes in order, and ``made`` is the range of numbers the call's thread
+    gave while it ran (its inputs' numbers cannot tell: another thread, numbering on its own,
+    may have made them, and the call may change one in place)."""
     first, last = made
     seen, stack = set(), list(starts)
     while stack:
@@ -358,7 +358,7 @@ def _own_nodes(starts, made):
         if not (first <= number < last or number == _LEAF):
             continue
         seen.add(node)
-        stack += [next_node for next_node, _ in node.next_functions]
+        stack += [next_node for next_node, nr in node.next_functions if (next_node, nr) not in stops]
     return seen
 
 
@@ -400,7 +400,9 @@ def _outputs_apart(module, outputs, made):
     for index, output in enumerate(outputs):
         if output.grad_fn is None:
             continue
-        reached, sources = _own_nodes_short_of(output.grad_fn, made, edges - {(output.grad_fn, output.output_nr)})
+        others = edges - {(output.grad_fn, output.output_nr)}
+        reached = _own_nodes([output.grad_fn], made, others)
+        sources = {edge for node in reached for edge in node.next_functions if edge in others}
         if not any(id(getattr(node, "variable", None)) in own for node in _own_nodes([node for node, _ in sources], made)):
             continue  # computed from no other output the parameters reach
         if any(id(getattr(node, "variable", None)) in own for node in reached):
@@ -410,24 +412,6 @@ def _outputs_apart(module, outputs, made):
             ), ()
         derived.append(index)
     return None, tuple(derived)
-
-
-def _own_nodes_short_of(start, made, stops):
-    """The nodes of a call (:func:`_own_nodes`) from ``start`` down, not going past the edges
-    ``stops`` (its other outputs), and those of them it reaches."""
-    first, last = made
-    seen, reached, stack = set(), set(), [start]
-    while stack:
-        node = stack.pop()
-        if node in seen or not (first <= node._sequence_nr() < last or node._sequence_nr() == _LEAF):
-            continue
-        seen.add(node)
-        for edge in node.next_functions:
-            if edge in stops:
-                reached.add(edge)
-            elif edge[0] is not None:
-                stack.append(edge[0])
-    return seen, reached
 
 
 TF32 = torch.float16
