@@ -512,7 +512,9 @@ def test_hf_fused_experts_and_their_routers_stay_module_local_and_match_a_pass_p
         expected = gradient_tests(one_pass_per_sample(losses, params).double())["NormTest"]
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-4 if dtype == torch.float32 else 1e-8), step
     assert all(route.startswith("module-local") for route in cockpit.routes().values()), cockpit.routes()
-    assert "module-local: MixtralExperts replayed with torch.func, rows regrouped by sample" in cockpit.routes().values() or name != "mixtral"
+    # (Eager experts loop over the experts each row picks, which vmap cannot batch.)
+    by = "with torch.func" if implementation == "grouped_mm" else "one sample at a time by autograd"
+    assert f"module-local: MixtralExperts replayed {by}, rows regrouped by sample" in cockpit.routes().values() or name != "mixtral"
 
 
 def test_a_functional_use_outside_the_owning_module_takes_the_whole_graph_and_says_so():
@@ -803,10 +805,48 @@ def test_a_call_through_an_op_torch_func_cannot_transform_is_replayed_by_autogra
     torch.manual_seed(0)
     model = _Scaled().double()
     x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    drop_info = () if info_losses else ("individual_losses",)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
-        output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=info_losses)
-    assert output["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)
+        for step in range(2):  # (the second knows vmap fails and goes to autograd at once)
+            training_step(model, None, (x, y), _cross_entropy("none"), cockpit=cockpit, step=step, drop_info=drop_info)
+            assert cockpit.get_output()[step]["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)
+    assert cockpit.routes()["scale"] == "module-local: _Scaled replayed one sample at a time by autograd"
+    assert cockpit.routes()["head.weight"] == "module-local: Linear rule"
+
+
+class _DropsOut(torch.nn.Module):
+    """Functional dropout (no Dropout module tells of it), behind an op torch.func cannot
+    transform or not."""
+
+    def __init__(self, opaque):
+        super().__init__()
+        self.scale, self.head, self.opaque = torch.nn.Parameter(torch.ones(4)), torch.nn.Linear(4, 3), opaque
+
+    def forward(self, x):
+        scaled = _Opaque.apply(x, self.scale) if self.opaque else x * self.scale
+        return self.head(torch.nn.functional.dropout(scaled, 0.5, training=True))
+
+
+@pytest.mark.parametrize("opaque", [False, True])
+def test_a_call_drawing_random_numbers_found_by_its_replay_takes_the_whole_graph(opaque):
+    """vmap refuses to draw random numbers: the replay's error told the user to hand in the
+    individual losses, and raised when they had. Autograd, replaying where vmap cannot
+    transform an op, drew new ones (a dropout mask the step did not use) and the user's."""
+    torch.manual_seed(0)
+    model = _DropsOut(opaque).double()
+    x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    torch.manual_seed(5)
+    expected = _norm_test_of_a_pass_per_sample(model, x, y)
+    untracked_state = torch.random.get_rng_state()
+    torch.manual_seed(5)  # (the same dropout mask)
+    with pytest.warns(RuntimeWarning, match=r"\(scale\) takes the whole-graph route .*draws random numbers"):
+        output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
+    assert output["NormTest"] == pytest.approx(expected, rel=1e-9)
+    assert torch.equal(torch.random.get_rng_state(), untracked_state)  # (a forward pass's draws, no more)
+    with pytest.raises(ValueError, match="_DropsOut draws random numbers in its forward pass"):
+        _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
 
 
 def test_a_call_that_cannot_be_replayed_takes_the_whole_graph_or_is_a_clear_error():

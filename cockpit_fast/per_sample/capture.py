@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from cockpit_fast.fsdp import Unsharded
 from cockpit_fast.per_sample import parametrized, rules, shared
-from cockpit_fast.per_sample.generic import ModuleVjpGrads, graph_nodes, replay_grads
+from cockpit_fast.per_sample.generic import ModuleVjpGrads, graph_nodes, replay_grads, replayed_by_autograd
 from cockpit_fast.per_sample.grads import DenseGrads, HookedGrads, combine, samples_per_chunk
 
 
@@ -196,7 +196,8 @@ class Call:
 
     def route_of(self, name):
         """How the call gives parameter ``name`` its per-sample gradients, in words."""
-        how = "replayed with torch.func" if name in self._replays else "rule"
+        replayed = "one sample at a time by autograd" if replayed_by_autograd(self.module) else "with torch.func"
+        how = f"replayed {replayed}" if name in self._replays else "rule"
         how += ", rows regrouped by sample" if self.routed is not None else ""
         return f"module-local: {type(self.module).__name__} {how}"
 

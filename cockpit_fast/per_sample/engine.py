@@ -676,7 +676,7 @@ class _SumsOnTheWay:
                 continue  # (the user's hooks change each sample's gradient: theirs are not checked)
             try:
                 summed, magnitude = form.grad, form.magnitude()
-            except RuntimeError as error:  # a replay that cannot run
+            except (RuntimeError, ValueError) as error:  # a replay that cannot run, or one drawing random numbers
                 self.unreplayable[key] = (str(error).splitlines() or [""])[0]
                 self.sums.pop(key, None)
                 continue

@@ -11,6 +11,7 @@
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 from backpack import hook_store_io as backpack_store_io
@@ -115,39 +116,74 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
         outs, cots = zip(*reached)
         return dict(zip(p, torch.autograd.grad(outs, list(p.values()), cots, allow_unused=True, materialize_grads=True)))
 
+    def by_autograd():
+        samples = []
+        for k in range(n):
+            one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
+            cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
+            samples.append(one_sample_by_autograd(one, cot))
+        return {name: torch.stack([sample[name] for sample in samples]) for name in params}
+
     with torch.enable_grad(), _module_hooks_set_aside(module), _attributes_kept(module):
-        try:
-            return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
-        except Exception as error:  # noqa: BLE001 (what a batched replay raises: any kind)
-            if "random" in str(error).lower():
-                raise ValueError(
-                    f"{type(module).__name__} draws random numbers in its forward pass (dropout?), so its call "
-                    "cannot be replayed sample by sample: hand in info['individual_losses'] with their graph "
-                    "(the route through the whole graph), or put the module in eval mode"
-                ) from error
-            # vmap has no batching rule for an op, or torch.func no transform: one sample at a time.
-            samples = []
+        if module not in _replayed_by_autograd:  # (where vmap failed before, it is not tried again)
             try:
-                for k in range(n):
-                    one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
-                    cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
-                    samples.append(one_sample_by_autograd(one, cot))
-            except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
-                where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
-                caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
-                if caches:  # Hugging Face's key/value or state caches: the call filled them as it ran
-                    raise RuntimeError(
-                        f"{where}, which was handed a {' and a '.join(caches)} that it fills as it runs, so it cannot "
-                        "be run again: train without the cache (model.config.use_cache = False, or use_cache=False "
-                        "in the model's call)"
-                    ) from again
+                return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
+            except Exception as error:  # noqa: BLE001 (what a batched replay raises: any kind)
+                if "random" in str(error).lower():
+                    raise _draws_random_numbers(module) from error
+        # vmap has no batching rule for an op, or torch.func no transform: one sample at a time.
+        device = next(iter(detached.values())).device
+        try:  # (the user's random numbers stay as they were)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                drawn_from = _random_states(device)
+                grads = by_autograd()
+                drew = any(not torch.equal(before, after) for before, after in zip(drawn_from, _random_states(device)))
+        except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
+            where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
+            caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
+            if caches:  # Hugging Face's key/value or state caches: the call filled them as it ran
                 raise RuntimeError(
-                    f"{where} with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
-                    "the module (cockpit_fast.per_sample.register_rule), track without these parameters, or, on a "
-                    "step without info['individual_losses'], hand them in with their graph (the route through the "
-                    "whole graph)"
+                    f"{where}, which was handed a {' and a '.join(caches)} that it fills as it runs, so it cannot "
+                    "be run again: train without the cache (model.config.use_cache = False, or use_cache=False "
+                    "in the model's call)"
                 ) from again
-            return {name: torch.stack([sample[name] for sample in samples]) for name in params}
+            raise RuntimeError(
+                f"{where} with torch.func, which fails ({type(again).__name__}: {again}); register a rule for "
+                "the module (cockpit_fast.per_sample.register_rule), track without these parameters, or, on a "
+                "step without info['individual_losses'], hand them in with their graph (the route through the "
+                "whole graph)"
+            ) from again
+        if drew:  # new random numbers, not those the call drew (vmap refuses to draw)
+            raise _draws_random_numbers(module)
+        _replayed_by_autograd.add(module)
+        return grads
+
+
+def _draws_random_numbers(module):
+    return ValueError(
+        f"{type(module).__name__} draws random numbers in its forward pass (dropout?), so its call cannot be "
+        "replayed sample by sample: hand in info['individual_losses'] with their graph (the route through the "
+        "whole graph), or put the module in eval mode"
+    )
+
+
+def _random_states(device):
+    """The states of the random number generators a call on ``device`` draws from."""
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+_replayed_by_autograd = weakref.WeakSet()
+"""The modules whose calls torch.func could not replay under vmap and autograd did, one sample
+at a time (:func:`replayed_by_autograd`)."""
+
+
+def replayed_by_autograd(module):
+    """Whether the calls of ``module`` are replayed one sample at a time by autograd, where
+    torch.func could not batch them."""
+    return module in _replayed_by_autograd
 
 
 @contextlib.contextmanager
