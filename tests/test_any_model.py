@@ -3,6 +3,7 @@ float64 per-sample gradients from torch.func (tests/any_models.py), with each qu
 applied to them here."""
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -817,36 +818,61 @@ def test_a_call_through_an_op_torch_func_cannot_transform_is_replayed_by_autogra
 
 
 class _DropsOut(torch.nn.Module):
-    """Functional dropout (no Dropout module tells of it), behind an op torch.func cannot
-    transform or not."""
+    """Dropout (no Dropout module tells of it) before or after an op torch.func cannot transform,
+    or none; from torch's generator or a generator of its own."""
 
-    def __init__(self, opaque):
+    def __init__(self, where, own_generator=False):
         super().__init__()
-        self.scale, self.head, self.opaque = torch.nn.Parameter(torch.ones(4)), torch.nn.Linear(4, 3), opaque
+        self.scale, self.head, self.where = torch.nn.Parameter(torch.ones(4)), torch.nn.Linear(4, 3), where
+        self.generator = torch.Generator().manual_seed(3) if own_generator else None
+
+    def drop(self, x):
+        return x * torch.bernoulli(torch.full_like(x, 0.5), generator=self.generator) * 2
 
     def forward(self, x):
-        scaled = _Opaque.apply(x, self.scale) if self.opaque else x * self.scale
-        return self.head(torch.nn.functional.dropout(scaled, 0.5, training=True))
+        x = self.drop(x) if self.where == "before" else x
+        scaled = x * self.scale if self.where == "plain" else _Opaque.apply(x, self.scale)
+        return self.head(self.drop(scaled) if self.where in ("plain", "after") else scaled)
 
 
-@pytest.mark.parametrize("opaque", [False, True])
-def test_a_call_drawing_random_numbers_found_by_its_replay_takes_the_whole_graph(opaque):
+@pytest.mark.parametrize("own_generator", [False, True])
+@pytest.mark.parametrize("where", ["plain", "before", "after"])
+def test_a_call_drawing_random_numbers_found_by_its_replay_takes_the_whole_graph(where, own_generator):
     """vmap refuses to draw random numbers: the replay's error told the user to hand in the
     individual losses, and raised when they had. Autograd, replaying where vmap cannot
-    transform an op, drew new ones (a dropout mask the step did not use) and the user's."""
+    transform an op, drew new ones (a dropout mask the step did not use)."""
     torch.manual_seed(0)
-    model = _DropsOut(opaque).double()
+    model = _DropsOut(where, own_generator).double()
     x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
-    torch.manual_seed(5)
-    expected = _norm_test_of_a_pass_per_sample(model, x, y)
-    untracked_state = torch.random.get_rng_state()
-    torch.manual_seed(5)  # (the same dropout mask)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = _cross_entropy("none")(model(x), y)
     with pytest.warns(RuntimeWarning, match=r"\(scale\) takes the whole-graph route .*draws random numbers"):
-        output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)])
-    assert output["NormTest"] == pytest.approx(expected, rel=1e-9)
-    assert torch.equal(torch.random.get_rng_state(), untracked_state)  # (a forward pass's draws, no more)
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+    expected = gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="_DropsOut draws random numbers in its forward pass"):
         _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
+
+
+def test_a_replay_by_autograd_is_not_confused_by_another_thread_drawing_random_numbers():
+    """A replay that compared torch's generator's state before and after took another thread's
+    draws for its call's (and rewound that thread's generator)."""
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    x, y = torch.randn(N, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    stop = threading.Event()
+    drawing = threading.Thread(target=lambda: [torch.rand(1) for _ in iter(lambda: stop.is_set(), True)])
+    drawing.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+            for _ in range(5):
+                output = _tracked_step(model, x, y, [quantities.NormTest(EVERY)], info_losses=False)
+    finally:
+        stop.set()
+        drawing.join()
+    assert output["NormTest"] == pytest.approx(_norm_test_of_a_pass_per_sample(model, x, y), rel=1e-9)
 
 
 def test_a_call_that_cannot_be_replayed_takes_the_whole_graph_or_is_a_clear_error():

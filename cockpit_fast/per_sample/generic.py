@@ -117,27 +117,26 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
         return dict(zip(p, torch.autograd.grad(outs, list(p.values()), cots, allow_unused=True, materialize_grads=True)))
 
     def by_autograd():
-        samples = []
+        samples, drew = [], False
         for k in range(n):
             one = [leaf.select(d, k) if d is not None else leaf for leaf, d in zip(sliced, in_dims)]
             cot = [c.select(out_dims[i], k) for c, i in zip(cotangents, kept)]
             samples.append(one_sample_by_autograd(one, cot))
-        return {name: torch.stack([sample[name] for sample in samples]) for name in params}
+            if k == 0:  # once more: a call drawing random numbers (vmap refuses to) draws others
+                drew = _differ(samples[0], one_sample_by_autograd(one, cot))
+        return {name: torch.stack([sample[name] for sample in samples]) for name in params}, drew
 
     with torch.enable_grad(), _module_hooks_set_aside(module), _attributes_kept(module):
-        if module not in _replayed_by_autograd:  # (where vmap failed before, it is not tried again)
-            try:
-                return vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
-            except Exception as error:  # noqa: BLE001 (what a batched replay raises: any kind)
-                if "random" in str(error).lower():
-                    raise _draws_random_numbers(module) from error
+        try:
+            grads = vmap(one_sample, in_dims=(in_dims, [out_dims[i] for i in kept]), randomness="error")(sliced, cotangents)
+            _replayed_by_autograd.discard(module)
+            return grads
+        except Exception as error:  # noqa: BLE001 (what a batched replay raises: any kind)
+            if "random" in str(error).lower():
+                raise _draws_random_numbers(module) from error
         # vmap has no batching rule for an op, or torch.func no transform: one sample at a time.
-        device = next(iter(detached.values())).device
-        try:  # (the user's random numbers stay as they were)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                drawn_from = _random_states(device)
-                grads = by_autograd()
-                drew = any(not torch.equal(before, after) for before, after in zip(drawn_from, _random_states(device)))
+        try:
+            grads, drew = by_autograd()
         except Exception as again:  # noqa: BLE001 (torch.func raises many kinds for what it cannot do)
             where = f"the per-sample gradients of {', '.join(params)} in {type(module).__name__} come from replaying its call"
             caches = sorted({type(leaf).__name__ for leaf in flat_inputs if type(leaf).__name__.endswith("Cache")})
@@ -153,7 +152,7 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
                 "step without info['individual_losses'], hand them in with their graph (the route through the "
                 "whole graph)"
             ) from again
-        if drew:  # new random numbers, not those the call drew (vmap refuses to draw)
+        if drew:
             raise _draws_random_numbers(module)
         _replayed_by_autograd.add(module)
         return grads
@@ -167,22 +166,19 @@ def _draws_random_numbers(module):
     )
 
 
-def _random_states(device):
-    """The states of the random number generators a call on ``device`` draws from."""
-    states = [torch.random.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
+def _differ(first, again):
+    """Whether two replays of one sample differ by more than a kernel's nondeterminism."""
+    return any(bool((first[name] - again[name]).norm() > 1e-4 * first[name].norm()) for name in first)
 
 
 _replayed_by_autograd = weakref.WeakSet()
-"""The modules whose calls torch.func could not replay under vmap and autograd did, one sample
-at a time (:func:`replayed_by_autograd`)."""
+"""The modules whose last call torch.func could not replay under vmap and autograd did, one
+sample at a time (:func:`replayed_by_autograd`)."""
 
 
 def replayed_by_autograd(module):
-    """Whether the calls of ``module`` are replayed one sample at a time by autograd, where
-    torch.func could not batch them."""
+    """Whether the last call of ``module`` was replayed one sample at a time by autograd, where
+    torch.func could not batch it."""
     return module in _replayed_by_autograd
 
 
