@@ -461,10 +461,10 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
 
 
 
-def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, shared, rel=1e-9):
+def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, shared, rel=1e-9, route="module-local: Embedding rule"):
     """Two steps of the ``reader`` (a cockpit's NormTest, the collector's norms of each of
     ``params``) on ``losses_of(*batch())``, each against a backward pass per sample; the
-    parameters named in ``shared`` take the Embedding rule, and no parameter the whole graph."""
+    parameters named in ``shared`` take ``route``, and no parameter the whole graph."""
     if reader == "cockpit":
         watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     else:
@@ -489,7 +489,7 @@ def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, sh
             # (a gradient zero in exact arithmetic, a key projection's bias, is rounding noise either way)
             torch.testing.assert_close(rows.double(), expected, rtol=rel, atol=1e-12 * float(expected.max()), msg=f"step {step}")
         routes = (watching if reader == "cockpit" else watching._engine).routes()
-        assert all(routes[name] == "module-local: Embedding rule" for name in shared), routes
+        assert all(routes[name] == route for name in shared), routes
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
@@ -531,6 +531,138 @@ def test_a_call_shared_by_every_sample_expanded_to_the_batch_takes_its_rule(read
     losses_of = lambda ids, labels: F.cross_entropy(model(input_ids=ids).logits, labels, reduction="none")  # noqa: E731
     batch = lambda: (torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,)))  # noqa: E731
     _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, ["mpnet.encoder.relative_attention_bias.weight"])
+
+
+class _WindowBias(nn.Module):
+    """A table of biases by relative position, read through a buffer of indices for every
+    window alike (Swin's relative position bias): a call with no inputs."""
+
+    def __init__(self, heads, size):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * size - 1, heads))
+        self.register_buffer("index", torch.arange(size)[:, None] - torch.arange(size)[None, :] + size - 1)
+
+    def forward(self):
+        return self.table[self.index].permute(2, 0, 1)  # (heads, size, size)
+
+
+class _WindowAttention(nn.Module):
+    """Attention within windows of 3 tokens (Swin's): each sample's 2 windows are rows
+    ``(N * 2, 3, C)``, sample-major, or window-major (``window_major``), and the bias is
+    broadcast to every row."""
+
+    def __init__(self, window_major=False):
+        super().__init__()
+        self.qkv, self.bias, self.head = nn.Linear(4, 12), _WindowBias(2, 3), nn.Linear(4, 3)
+        self.window_major = window_major
+
+    def forward(self, x):  # (N, 6, 4)
+        n = x.shape[0]
+        windows = x.view(n, 2, 3, 4).transpose(0, 1) if self.window_major else x.view(n, 2, 3, 4)
+        q, k, v = self.qkv(windows.reshape(-1, 3, 4)).view(-1, 3, 3, 2, 2).permute(2, 0, 3, 1, 4)  # 3 x (R, heads, 3, 2)
+        scores = q @ k.transpose(-1, -2) + self.bias().unsqueeze(0)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(windows.shape)
+        out = out.transpose(0, 1) if self.window_major else out
+        return self.head(torch.tanh(out.reshape(n, 6, 4))).mean(1)
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_a_call_shared_by_every_window_of_every_sample_is_replayed_where_it_is_broadcast(reader):
+    """Swin adds its relative position bias, made once, to rows that are each sample's windows
+    ``(N * W, ...)``, not the N samples: its table took the whole graph (Swin 9x a plain step)."""
+    torch.manual_seed(0)
+    model = _WindowAttention().double()
+    losses_of = lambda x, labels: F.cross_entropy(model(x), labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randn(N, 6, 4, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
+    _shared_calls_against_the_oracle(
+        model, list(model.parameters()), losses_of, batch, reader, ["bias.table"], route="module-local: _WindowBias replayed with torch.func"
+    )
+
+
+def test_hf_swin_takes_no_whole_graph_and_matches_a_pass_per_sample():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SwinConfig(
+        image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(config).double()
+    losses_of = lambda x, labels: F.cross_entropy(model(pixel_values=x).logits, labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randn(N, 3, 32, 32, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
+    tables = [name for name, _ in model.named_parameters() if name.endswith("relative_position_bias_table")]
+    owner = type(model.get_submodule(tables[0].rsplit(".", 1)[0])).__name__  # (SwinRelativePositionBias)
+    _shared_calls_against_the_oracle(
+        model, list(model.parameters()), losses_of, batch, "cockpit", tables, route=f"module-local: {owner} replayed with torch.func"
+    )
+
+
+def test_a_call_shared_by_windows_taken_window_major_takes_the_whole_graph():
+    """The windows' rows taken sample-major where they are window-major: the proof refutes it."""
+    torch.manual_seed(0)
+    model = _WindowAttention(window_major=True).double()
+    x, y = torch.randn(N, 6, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantities.NormTest(EVERY)])
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.warns(RuntimeWarning, match=r"\(bias\.table\) takes the whole-graph route"):
+        with cockpit(0, info={"batch_size": N, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+    g = one_pass_per_sample(losses, list(model.parameters()))
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-9)
+    assert cockpit.routes()["bias.table"] == "whole graph"
+
+
+class _PositionsProjectedOnce(nn.Module):
+    """Queries against a table of positions, normed and projected once, then repeated for each
+    sample's heads (DeBERTa's content-to-position attention); ``share_key``: the positions take
+    the queries' projection (DeBERTa-v3's ``share_att_key``), a module called on the samples
+    and once for them all."""
+
+    def __init__(self, share_key):
+        super().__init__()
+        self.query, self.norm, self.head = nn.Linear(4, 8), nn.LayerNorm(4), nn.Linear(5, 3)
+        self.key = self.query if share_key else nn.Linear(4, 8)
+        self.register_buffer("positions", torch.randn(5, 4))
+
+    def forward(self, x):  # (N, 3, 4): 2 heads of 4
+        n = x.shape[0]
+        queries = self.query(x).view(n, 3, 2, 4).transpose(1, 2).reshape(n * 2, 3, 4)
+        keys = self.key(self.norm(self.positions).unsqueeze(0)).view(1, 5, 2, 4).permute(0, 2, 1, 3).reshape(2, 5, 4)
+        scores = torch.bmm(queries, keys.repeat(n, 1, 1).transpose(1, 2))  # (N * 2, 3, 5)
+        return self.head(torch.tanh(scores).view(n, 2, 3, 5).mean((1, 2)))
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+@pytest.mark.parametrize("share_key", [False, True])
+def test_a_call_shared_by_every_sample_repeated_for_each_takes_its_rule(share_key, reader):
+    """DeBERTa repeats its position projections, made once, for each sample's heads: they took
+    the whole graph (its calls hold no samples), and with DeBERTa-v3's shared key projection,
+    shared once proven, every step after the checks sent its calls on the samples there too."""
+    torch.manual_seed(0)
+    model = _PositionsProjectedOnce(share_key).double()
+    losses_of = lambda x, labels: F.cross_entropy(model(x), labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randn(N, 3, 4, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
+    key = "query.weight" if share_key else "key.weight"
+    _shared_calls_against_the_oracle(model, list(model.parameters()), losses_of, batch, reader, [key], route="module-local: Linear rule")
+
+
+@pytest.mark.parametrize("share_key", [False, True])
+def test_hf_deberta_v2_position_projections_take_their_rules(share_key):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+        share_att_key=share_key, norm_rel_ebd="layer_norm", num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(config).double()
+    # (Its encoder reads rel_embeddings.weight itself, outside a call of its own: the whole graph.)
+    params = [p for name, p in model.named_parameters() if name != "deberta.encoder.rel_embeddings.weight"]
+    mask = torch.ones(N, 7, dtype=torch.long)
+    losses_of = lambda ids, labels: F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randint(0, 50, (N, 7)), torch.randint(0, 3, (N,)))  # noqa: E731
+    projections = [f"deberta.encoder.layer.{i}.attention.self.{'key_proj' if share_key else 'pos_key_proj'}.weight" for i in range(2)]
+    _shared_calls_against_the_oracle(model, params, losses_of, batch, "cockpit", projections, route="module-local: Linear rule")
 
 
 class _PositionsLookedUpOnce(nn.Module):

@@ -220,7 +220,8 @@ class Call:
                     values = replay_grads(
                         self.module, self.values, self.args, self.kwargs,
                         [torch.empty(shape, device="meta") for shape in self.output_shapes], self.output_positions,
-                        output_grads, self.sample_dim, self.batch_size, start, stop, rows=self.routed is not None,
+                        output_grads, self.sample_dim, self.batch_size, start, stop,
+                        rows=self.routed is not None or self.shared,  # (a shared call's: its inputs as they were)
                     )
             finally:
                 _replaying[0] -= 1

@@ -72,6 +72,7 @@ class Engine:
         self._checked_mixing = weakref.WeakSet()  # modules that mixed their samples when the checks ran
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
+        self._apart = weakref.WeakSet()  # modules called on the batch's samples, told apart (some also shared)
         self._guessed = weakref.WeakSet()  # modules whose rows the proof showed sample-major (routed.regroup)
         self._whole_only = {}  # id(param) -> why it always takes the whole graph (found by the first checks)
         self._unused = set()  # ids of parameters the checks' backward pass did not reach
@@ -146,7 +147,9 @@ class Engine:
         step.calls = calls
         try:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
-            self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles))
+            unshared = self._share(shared, root, batch_size, step.handles)
+            # (A module called on the samples and once for them all, as DeBERTa's projections: the former as proven.)
+            self._mixed.update(c.module for c in unshared if not (c.batch_size == batch_size and c.module in self._apart))
             checks = losses is not None and unchecked and losses.shape[0] > 0
             whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None, root)
             if checks or whole:
@@ -327,6 +330,7 @@ class Engine:
         self._learn_layouts([call for call in calls if call not in mixed])
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
+        self._apart.update(c.module for c in calls if not c.shared and c.batch_size == batch_size and c not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
         self._guessed.update(call.module for call in guessed if call not in mixed)
         self._checked.update(call.module for call in calls)

@@ -76,8 +76,9 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
             with ``batch_first=False``).
         batch (int): N, the number of samples of the call.
         rows (bool): Each sample's part of the inputs and outputs is the rows the call had for it
-            (a routed call's, regrouped ``(N, P, ...)``): replayed as rows, as the module takes
-            them (an experts module indexes its rows), not as a batch of one.
+            (a routed call's, regrouped ``(N, P, ...)``; a shared call's inputs, made once for
+            all): replayed as rows, as the module takes them (an experts module indexes its
+            rows), not as a batch of one.
     """
     n = stop - start
     flat_inputs, spec = tree_flatten((args, kwargs))

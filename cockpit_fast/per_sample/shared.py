@@ -8,8 +8,11 @@ apart where the broadcast happens: the add's (or the expand's) backward node rec
 ``(N, ...)``. A pre-hook on that node keeps each sample's rows, summed over the other broadcast
 dimensions, and takes them back to the output through the nodes between (a permute,
 an unsqueeze, a mask applied with ``where``: tensors still one for all, so each node's vjp is
-the same linear map for every sample, and ``vmap`` applies it to all rows at once). The call
-then has per-sample output gradients like any other and takes its module's rule.
+the same linear map for every sample, and ``vmap`` applies it to all rows at once). Where the
+broadcast makes rows that are ``k`` of each sample's (an image's windows) or ``repeat`` makes a
+copy for each (DeBERTa's position projections, for each sample's heads), each sample's rows are
+taken sample-major. The call then has per-sample output gradients like any other and takes its
+module's rule.
 
 Uses through nodes with several outputs, or into anything but such broadcasts, leave the call to
 the whole graph (:func:`frontiers`); the engine proves the result like every other call's.
@@ -24,7 +27,7 @@ _VIEWS = {  # ops that keep a tensor one for all whatever its shape
     "UnsafeViewBackward0", "TransposeBackward0", "TransposeBackward1", "SliceBackward0", "CloneBackward0",
     "ToCopyBackward0", "AliasBackward0",
 }
-_BROADCASTS = {"AddBackward0", "SubBackward0", "ExpandBackward0"}
+_BROADCASTS = {"AddBackward0", "SubBackward0", "ExpandBackward0", "RepeatBackward0"}
 
 
 CALL_TAG = "cockpit_fast_calls"
@@ -98,23 +101,33 @@ def _still_shared(node, batch_size):
     return type(node).__name__ in _VIEWS or len(shape) == 0 or shape[0] != batch_size
 
 
-def _broadcasts_samples(add, chain, output_shape, batch_size):
-    """Whether ``add`` broadcasts the shared tensor (one for all) to ``batch_size`` samples."""
-    result = list(add._input_metadata[0].shape)
+def _broadcasts_samples(node, chain, output_shape, batch_size):
+    """Whether ``node`` broadcasts the shared tensor (one for all) to ``batch_size`` samples, or
+    to rows that are ``k`` of each sample's (windows of an image; heads, as DeBERTa repeats its
+    position projections for each sample's): taken sample-major, which the engine's proof
+    checks."""
+    result = list(node._input_metadata[0].shape)
     shape = list(chain[0][0]._input_metadata[0].shape) if chain else list(output_shape)
     padded = [1] * (len(result) - len(shape)) + shape
-    return len(padded) == len(result) and bool(result) and result[0] == batch_size and padded[0] == 1
+    if len(padded) != len(result) or not result or result[0] == 0 or result[0] % batch_size:
+        return False
+    if type(node).__name__ == "RepeatBackward0":  # (each sample's copy: repeated along dimension 0 alone)
+        return result == [batch_size * padded[0], *padded[1:]]
+    return padded[0] == 1
 
 
 def per_sample_output_grads(chain, grad, batch_size, output_shape):
     """The output's gradient of each sample ``(N, *output_shape)`` from ``grad``, what the
-    broadcasting add receives; None where it does not hold the samples along dimension 0."""
+    broadcasting node receives (``k`` rows of each sample: summed where it broadcast them, each
+    sample's copy where it repeated it); None where it does not hold the samples along
+    dimension 0."""
     shape = list(chain[0][0]._input_metadata[0].shape) if chain else list(output_shape)
     padded = [1] * (grad.dim() - len(shape)) + shape
-    if grad.dim() == 0 or grad.shape[0] != batch_size or len(padded) != grad.dim():
+    if grad.dim() == 0 or grad.shape[0] == 0 or grad.shape[0] % batch_size or len(padded) != grad.dim():
         return None
-    summed = [d for d in range(1, grad.dim()) if padded[d] == 1 and grad.shape[d] != 1]
-    rows = (grad.sum(summed, keepdim=True) if summed else grad).reshape(batch_size, *shape)
+    grouped = grad.unflatten(0, (batch_size, -1))  # (N, k, ...): each sample's k rows
+    summed = [d + 1 for d in range(grad.dim()) if padded[d] == 1 and grouped.shape[d + 1] != 1]
+    rows = (grouped.sum(summed, keepdim=True) if summed else grouped).reshape(batch_size, *shape)
 
     def back(row):
         for node, inputs in chain:  # each node's vjp, for the input the shared tensor came by
