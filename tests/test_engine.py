@@ -490,6 +490,7 @@ def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, sh
             torch.testing.assert_close(rows.double(), expected, rtol=rel, atol=1e-12 * float(expected.max()), msg=f"step {step}")
         routes = (watching if reader == "cockpit" else watching._engine).routes()
         assert all(routes[name] == route for name in shared), routes
+    return watching
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
@@ -553,15 +554,16 @@ class _WindowAttention(nn.Module):
 
     def __init__(self, window_major=False):
         super().__init__()
-        self.qkv, self.bias, self.head = nn.Linear(4, 12), _WindowBias(2, 3), nn.Linear(4, 3)
-        self.window_major = window_major
+        self.embed, self.query, self.key, self.value = (nn.Linear(4, 4) for _ in range(4))
+        self.bias, self.out, self.head, self.window_major = _WindowBias(2, 3), nn.Linear(4, 4), nn.Linear(4, 3), window_major
 
     def forward(self, x):  # (N, 6, 4)
-        n = x.shape[0]
+        n, x = x.shape[0], self.embed(x)
         windows = x.view(n, 2, 3, 4).transpose(0, 1) if self.window_major else x.view(n, 2, 3, 4)
-        q, k, v = self.qkv(windows.reshape(-1, 3, 4)).view(-1, 3, 3, 2, 2).permute(2, 0, 3, 1, 4)  # 3 x (R, heads, 3, 2)
+        rows = windows.reshape(-1, 3, 4)
+        q, k, v = (layer(rows).view(-1, 3, 2, 2).transpose(1, 2) for layer in (self.query, self.key, self.value))  # (R, heads, 3, 2)
         scores = q @ k.transpose(-1, -2) + self.bias().unsqueeze(0)
-        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(windows.shape)
+        out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(-1, 3, 4)).reshape(windows.shape)
         out = out.transpose(0, 1) if self.window_major else out
         return self.head(torch.tanh(out.reshape(n, 6, 4))).mean(1)
 
@@ -579,6 +581,29 @@ def test_a_call_shared_by_every_window_of_every_sample_is_replayed_where_it_is_b
     )
 
 
+def test_rows_of_windows_are_read_through_attention_on_steps_without_the_individual_losses():
+    """The rows of a projection after attention within windows (Swin's o_proj) were guessed
+    sample-major, not read through the products, softmax and transposes that keep each
+    window's row: every step without the individual losses raised, needing them."""
+    torch.manual_seed(0)
+    model = _WindowAttention().double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(N, 6, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": N, "loss": losses.mean()} | ({"individual_losses": losses} if step == 0 else {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
+            with cockpit(step, info=info):
+                losses.mean().backward(retain_graph=True)
+        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-9), step
+    assert cockpit.routes()["out.weight"] == "module-local: Linear rule, rows regrouped by sample"
+
+
 def test_hf_swin_takes_no_whole_graph_and_matches_a_pass_per_sample():
     transformers = pytest.importorskip("transformers")
     config = transformers.SwinConfig(
@@ -591,9 +616,15 @@ def test_hf_swin_takes_no_whole_graph_and_matches_a_pass_per_sample():
     batch = lambda: (torch.randn(N, 3, 32, 32, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
     tables = [name for name, _ in model.named_parameters() if name.endswith("relative_position_bias_table")]
     owner = type(model.get_submodule(tables[0].rsplit(".", 1)[0])).__name__  # (SwinRelativePositionBias)
-    _shared_calls_against_the_oracle(
+    cockpit = _shared_calls_against_the_oracle(
         model, list(model.parameters()), losses_of, batch, "cockpit", tables, route=f"module-local: {owner} replayed with torch.func"
     )
+    losses = losses_of(*batch())  # a step without the individual losses: each window's rows read from the graph
+    model.zero_grad()
+    with cockpit(2, info={"batch_size": N, "loss": losses.mean()}):
+        losses.mean().backward(retain_graph=True)
+    expected = gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
+    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_call_shared_by_windows_taken_window_major_takes_the_whole_graph():

@@ -202,7 +202,7 @@ def _read(node, nr, n, memo, depth):
         above = None if above is None else _reshaped(above, n, parents[0][0]._input_metadata[parents[0][1]].shape, shape)
         if above is not None:
             return above
-    if name in _ELEMENTWISE:
+    if name in _ELEMENTWISE or _keeps_rows(node, name, len(shape)):
         for next_node, next_nr in parents:
             if next_node is not None and _leading(next_node, next_nr) == shape[0]:
                 above = _rows(next_node, next_nr, n, memo, depth + 1)
@@ -210,6 +210,23 @@ def _read(node, nr, n, memo, depth):
                     return above
     # Rows read from nowhere above: a tensor of N rows holds the samples (but the call's own input).
     return EACH_ROW_ITS_SAMPLE if depth and shape[0] == n else None
+
+
+def _keeps_rows(node, name, dims):
+    """Whether row ``r`` (dimension 0) of ``node``'s output comes from row ``r`` of its inputs
+    of as many rows, besides the elementwise ops: a batched product, an expand, a softmax, a
+    permute or a transpose that leave dimension 0 in place (attention within an image's
+    windows, each window a row)."""
+    signed = lambda d: (d - 2**64 if d >= 2**63 else d) % dims  # noqa: E731 (saved dims come unsigned)
+    if name in ("BmmBackward0", "ExpandBackward0"):
+        return True
+    if name in ("SoftmaxBackward0", "LogSoftmaxBackward0"):
+        return signed(node._saved_dim) != 0
+    if name == "PermuteBackward0":
+        return signed(node._saved_dims[0]) == 0
+    if name == "TransposeBackward0":
+        return 0 not in (signed(node._saved_dim0), signed(node._saved_dim1))
+    return False
 
 
 def _row_index(indices):
