@@ -696,6 +696,65 @@ def test_hf_deberta_v2_position_projections_take_their_rules(share_key):
     _shared_calls_against_the_oracle(model, params, losses_of, batch, "cockpit", projections, route="module-local: Linear rule")
 
 
+class _Latents(nn.Module):
+    """Parameters expanded to the batch inside the call, handed the batch's size alone
+    (Perceiver's latents): no input holds the samples, the output does."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, batch_size):
+        return self.latents.expand(batch_size, -1, -1)
+
+
+class _LatentsAttend(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.latents, self.key, self.head = _Latents(), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # (N, 5, 4)
+        attention = (self.latents(x.shape[0]) @ self.key(x).transpose(1, 2)).softmax(-1)  # (N, 3, 5)
+        return self.head((attention @ x).mean(1))
+
+
+@pytest.mark.parametrize("reader", ["cockpit", "collector"])
+def test_parameters_a_call_expands_to_the_batch_are_replayed_sample_by_sample(reader):
+    """The replay took the batch's output for each sample's (a shape mismatch): Perceiver's
+    latents and output positions took the whole graph (7x a plain step)."""
+    torch.manual_seed(0)
+    model = _LatentsAttend().double()
+    losses_of = lambda x, labels: F.cross_entropy(model(x), labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randn(N, 5, 4, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
+    watching = _shared_calls_against_the_oracle(
+        model, list(model.parameters()), losses_of, batch, reader, ["latents.latents"], route="module-local: _Latents replayed with torch.func"
+    )
+    if reader == "cockpit":  # and a step without the individual losses
+        losses = losses_of(*batch())
+        model.zero_grad()
+        with watching(2, info={"batch_size": N, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        expected = gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
+        assert watching.get_output()[2]["NormTest"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_hf_perceiver_takes_no_whole_graph_and_matches_a_pass_per_sample():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PerceiverConfig(
+        num_latents=8, d_latents=16, d_model=16, num_blocks=1, num_self_attends_per_block=1, num_self_attention_heads=2,
+        num_cross_attention_heads=2, vocab_size=30, max_position_embeddings=12, num_labels=3,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.PerceiverForSequenceClassification(config).double()
+    losses_of = lambda ids, labels: F.cross_entropy(model(inputs=ids).logits, labels, reduction="none")  # noqa: E731
+    batch = lambda: (torch.randint(0, 30, (N, 12)), torch.randint(0, 3, (N,)))  # noqa: E731
+    _shared_calls_against_the_oracle(
+        model, list(model.parameters()), losses_of, batch, "cockpit", ["perceiver.embeddings.latents"],
+        route="module-local: PerceiverEmbeddings replayed with torch.func",
+    )
+
+
 class _PositionsLookedUpOnce(nn.Module):
     """Token embeddings plus a position table looked up once for every sample (LED's encoder)."""
 

@@ -87,6 +87,11 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
     kept = [i for i, g in enumerate(output_grads) if g is not None and out_dims[i] is not None]
     sliced = [leaf.narrow(d, start, n) if d is not None else leaf for leaf, d in zip(flat_inputs, in_dims)]
     cotangents = [output_grads[i].narrow(out_dims[i], start, n) for i in kept]
+    # Inputs that hold no samples, outputs that do (parameters expanded to the batch, as
+    # Perceiver's latents): each sample's output is its row of the whole batch's, by its index.
+    expanded = not rows and bool(kept) and all(d is None for d in in_dims)
+    if expanded:
+        sliced, in_dims = [*sliced, torch.arange(start, stop, device=cotangents[0].device)], [*in_dims, 0]
     # A call may change its module's tensors in place, which the user's backward pass would then
     # refuse: a replay changes copies. Parameters (a learnable fake quantizer clamps its scale's
     # data), and in training mode buffers (running statistics, a spectral norm's power iteration).
@@ -94,6 +99,8 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
     buffers = {name: b.clone() for name, b in module.named_buffers()} if module.training else {}
 
     def forward(p, sample_inputs):
+        if expanded:
+            *sample_inputs, index = sample_inputs
         restored = [leaf.unsqueeze(d) if d is not None and not rows else leaf for leaf, d in zip(sample_inputs, in_dims)]
         call_args, call_kwargs = tree_unflatten(restored, spec)
         # (The parameters the call's inner calls claim are read as they are: detached below.)
@@ -101,6 +108,8 @@ def replay_grads(module, params, args, kwargs, outputs, positions, output_grads,
         # its name (the capture sums them), and one an inner call claims stays as it is.
         leaves = tree_flatten(functional_call(module, {**buffers, **p}, tuple(call_args), call_kwargs, tie_weights=False))[0]
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if expanded:
+            return tuple(tensors[positions[i]].movedim(out_dims[i], 0)[index] for i in kept)
         return tuple(tensors[positions[i]] if rows else tensors[positions[i]].squeeze(out_dims[i]) for i in kept)
 
     def one_sample(sample_inputs, sample_cotangents):
