@@ -461,10 +461,13 @@ def test_a_call_shared_by_every_sample_takes_its_rule_where_it_is_broadcast():
 
 
 
-def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, shared, rel=1e-9, route="module-local: Embedding rule"):
+def _shared_calls_against_the_oracle(
+    model, params, losses_of, batch, reader, shared, rel=1e-9, route="module-local: Embedding rule", without_losses=False
+):
     """Two steps of the ``reader`` (a cockpit's NormTest, the collector's norms of each of
     ``params``) on ``losses_of(*batch())``, each against a backward pass per sample; the
-    parameters named in ``shared`` take ``route``, and no parameter the whole graph."""
+    parameters named in ``shared`` take ``route``, and no parameter the whole graph;
+    ``without_losses``: a cockpit's third step without the individual losses, likewise."""
     if reader == "cockpit":
         watching = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     else:
@@ -490,7 +493,13 @@ def _shared_calls_against_the_oracle(model, params, losses_of, batch, reader, sh
             torch.testing.assert_close(rows.double(), expected, rtol=rel, atol=1e-12 * float(expected.max()), msg=f"step {step}")
         routes = (watching if reader == "cockpit" else watching._engine).routes()
         assert all(routes[name] == route for name in shared), routes
-    return watching
+    if without_losses and reader == "cockpit":
+        losses = losses_of(*batch())
+        model.zero_grad()
+        with watching(2, info={"batch_size": N, "loss": losses.mean()}):
+            losses.mean().backward(retain_graph=True)
+        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
+        assert watching.get_output()[2]["NormTest"] == pytest.approx(expected, rel=rel)
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
@@ -616,15 +625,10 @@ def test_hf_swin_takes_no_whole_graph_and_matches_a_pass_per_sample():
     batch = lambda: (torch.randn(N, 3, 32, 32, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
     tables = [name for name, _ in model.named_parameters() if name.endswith("relative_position_bias_table")]
     owner = type(model.get_submodule(tables[0].rsplit(".", 1)[0])).__name__  # (SwinRelativePositionBias)
-    cockpit = _shared_calls_against_the_oracle(
-        model, list(model.parameters()), losses_of, batch, "cockpit", tables, route=f"module-local: {owner} replayed with torch.func"
+    _shared_calls_against_the_oracle(  # (without the losses: each window's rows read from the graph)
+        model, list(model.parameters()), losses_of, batch, "cockpit", tables,
+        route=f"module-local: {owner} replayed with torch.func", without_losses=True,
     )
-    losses = losses_of(*batch())  # a step without the individual losses: each window's rows read from the graph
-    model.zero_grad()
-    with cockpit(2, info={"batch_size": N, "loss": losses.mean()}):
-        losses.mean().backward(retain_graph=True)
-    expected = gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
-    assert cockpit.get_output()[2]["NormTest"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_call_shared_by_windows_taken_window_major_takes_the_whole_graph():
@@ -726,16 +730,10 @@ def test_parameters_a_call_expands_to_the_batch_are_replayed_sample_by_sample(re
     model = _LatentsAttend().double()
     losses_of = lambda x, labels: F.cross_entropy(model(x), labels, reduction="none")  # noqa: E731
     batch = lambda: (torch.randn(N, 5, 4, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
-    watching = _shared_calls_against_the_oracle(
-        model, list(model.parameters()), losses_of, batch, reader, ["latents.latents"], route="module-local: _Latents replayed with torch.func"
+    _shared_calls_against_the_oracle(
+        model, list(model.parameters()), losses_of, batch, reader, ["latents.latents"],
+        route="module-local: _Latents replayed with torch.func", without_losses=True,
     )
-    if reader == "cockpit":  # and a step without the individual losses
-        losses = losses_of(*batch())
-        model.zero_grad()
-        with watching(2, info={"batch_size": N, "loss": losses.mean()}):
-            losses.mean().backward(retain_graph=True)
-        expected = gradient_tests(one_pass_per_sample(losses, list(model.parameters())))["NormTest"]
-        assert watching.get_output()[2]["NormTest"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_hf_perceiver_takes_no_whole_graph_and_matches_a_pass_per_sample():
