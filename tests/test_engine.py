@@ -557,8 +557,8 @@ class _WindowBias(nn.Module):
 
 
 class _WindowAttention(nn.Module):
-    """Attention within windows of 3 tokens (Swin's): each sample's 2 windows are rows
-    ``(N * 2, 3, C)``, sample-major, or window-major (``window_major``), and the bias is
+    """Attention within windows of 3 tokens (Swin's): each sample's W windows are rows
+    ``(N * W, 3, C)``, sample-major, or window-major (``window_major``), and the bias is
     broadcast to every row."""
 
     def __init__(self, window_major=False):
@@ -566,15 +566,15 @@ class _WindowAttention(nn.Module):
         self.embed, self.query, self.key, self.value = (nn.Linear(4, 4) for _ in range(4))
         self.bias, self.out, self.head, self.window_major = _WindowBias(2, 3), nn.Linear(4, 4), nn.Linear(4, 3), window_major
 
-    def forward(self, x):  # (N, 6, 4)
-        n, x = x.shape[0], self.embed(x)
-        windows = x.view(n, 2, 3, 4).transpose(0, 1) if self.window_major else x.view(n, 2, 3, 4)
+    def forward(self, x):  # (N, 3 * W, 4)
+        n, length, x = x.shape[0], x.shape[1], self.embed(x)
+        windows = x.view(n, -1, 3, 4).transpose(0, 1) if self.window_major else x.view(n, -1, 3, 4)
         rows = windows.reshape(-1, 3, 4)
         q, k, v = (layer(rows).view(-1, 3, 2, 2).transpose(1, 2) for layer in (self.query, self.key, self.value))  # (R, heads, 3, 2)
         scores = q @ k.transpose(-1, -2) + self.bias().unsqueeze(0)
         out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(-1, 3, 4)).reshape(windows.shape)
         out = out.transpose(0, 1) if self.window_major else out
-        return self.head(torch.tanh(out.reshape(n, 6, 4))).mean(1)
+        return self.head(torch.tanh(out.reshape(n, length, 4))).mean(1)
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
@@ -588,6 +588,34 @@ def test_a_call_shared_by_every_window_of_every_sample_is_replayed_where_it_is_b
     _shared_calls_against_the_oracle(
         model, list(model.parameters()), losses_of, batch, reader, ["bias.table"], route="module-local: _WindowBias replayed with torch.func"
     )
+
+
+def test_windows_taken_window_major_are_never_taken_for_the_samples():
+    """One window on the first step proves nothing of their order. With several on later steps,
+    window-major: the bias's gradient was split among the samples sample-major, unproven, and
+    rows below a transpose of the windows, as many as the samples, were read as the samples:
+    wrong numbers, with the individual losses or without. Now the whole graph, or an error."""
+    torch.manual_seed(0)
+    model = _WindowAttention(window_major=True).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step, (length, with_losses) in enumerate([(3, True), (3 * N, True), (3 * N, False)]):
+        x, y = torch.randn(N, length, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": N, "loss": losses.mean()} | ({"individual_losses": losses} if with_losses else {})
+        if not with_losses:
+            with pytest.raises(ValueError, match="need every sample's own loss"):
+                with cockpit(step, info=info):
+                    losses.mean().backward()
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (the whole graph's notice)
+            with cockpit(step, info=info):
+                losses.mean().backward(retain_graph=True)
+        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-9), step
 
 
 def test_rows_of_windows_are_read_through_attention_on_steps_without_the_individual_losses():
@@ -652,41 +680,62 @@ class _PositionsProjectedOnce(nn.Module):
     the queries' projection (DeBERTa-v3's ``share_att_key``), a module called on the samples
     and once for them all."""
 
-    def __init__(self, share_key):
+    def __init__(self, share_key, flat_positions=False):
         super().__init__()
         self.query, self.norm, self.head = nn.Linear(4, 8), nn.LayerNorm(4), nn.Linear(5, 3)
         self.key = self.query if share_key else nn.Linear(4, 8)
         self.register_buffer("positions", torch.randn(5, 4))
+        self.flat_positions = flat_positions  # (5, 4), not (1, 5, 4): as many rows as 5 samples
 
     def forward(self, x):  # (N, 3, 4): 2 heads of 4
         n = x.shape[0]
         queries = self.query(x).view(n, 3, 2, 4).transpose(1, 2).reshape(n * 2, 3, 4)
-        keys = self.key(self.norm(self.positions).unsqueeze(0)).view(1, 5, 2, 4).permute(0, 2, 1, 3).reshape(2, 5, 4)
+        positions = self.norm(self.positions) if self.flat_positions else self.norm(self.positions).unsqueeze(0)
+        keys = (self.key(positions) * 0.5).view(1, 5, 2, 4).permute(0, 2, 1, 3).reshape(2, 5, 4)
         scores = torch.bmm(queries, keys.repeat(n, 1, 1).transpose(1, 2))  # (N * 2, 3, 5)
         return self.head(torch.tanh(scores).view(n, 2, 3, 5).mean((1, 2)))
 
 
 @pytest.mark.parametrize("reader", ["cockpit", "collector"])
-@pytest.mark.parametrize("share_key", [False, True])
-def test_a_call_shared_by_every_sample_repeated_for_each_takes_its_rule(share_key, reader):
+def test_a_call_shared_by_every_sample_repeated_for_each_takes_its_rule(reader):
     """DeBERTa repeats its position projections, made once, for each sample's heads: they took
-    the whole graph (its calls hold no samples), and with DeBERTa-v3's shared key projection,
-    shared once proven, every step after the checks sent its calls on the samples there too."""
+    the whole graph (its calls hold no samples)."""
     torch.manual_seed(0)
-    model = _PositionsProjectedOnce(share_key).double()
+    model = _PositionsProjectedOnce(share_key=False).double()
     losses_of = lambda x, labels: F.cross_entropy(model(x), labels, reduction="none")  # noqa: E731
     batch = lambda: (torch.randn(N, 3, 4, dtype=torch.float64), torch.randint(0, 3, (N,)))  # noqa: E731
-    key = "query.weight" if share_key else "key.weight"
-    _shared_calls_against_the_oracle(model, list(model.parameters()), losses_of, batch, reader, [key], route="module-local: Linear rule")
+    _shared_calls_against_the_oracle(model, list(model.parameters()), losses_of, batch, reader, ["key.weight"], route="module-local: Linear rule")
 
 
-@pytest.mark.parametrize("share_key", [False, True])
-def test_hf_deberta_v2_position_projections_take_their_rules(share_key):
+def test_a_module_called_on_the_samples_and_once_for_them_all_takes_the_whole_graph_after_the_checks():
+    """DeBERTa-v3's shared key projection: its call on the positions is shared, its calls on
+    the samples are not; a later call on the positions with as many rows as samples (N = P)
+    cannot be told from one on the samples. Taken for one (the shared module's calls holding
+    N rows, kept module-local), it gave wrong numbers; its calls take the whole graph after
+    the checks, as before."""
+    torch.manual_seed(0)
+    model = _PositionsProjectedOnce(share_key=True, flat_positions=True).double()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
+    gen = torch.Generator().manual_seed(1)
+    for step, n in enumerate([4, 4, 5]):  # (5 positions)
+        x, y = torch.randn(n, 3, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
+        model.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (the whole graph's notice)
+            with cockpit(step, info={"batch_size": n, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward(retain_graph=True)
+        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-9), step
+
+
+def test_hf_deberta_v2_position_projections_take_their_rules():
     transformers = pytest.importorskip("transformers")
     config = transformers.DebertaV2Config(
         vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=32, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
-        share_att_key=share_key, norm_rel_ebd="layer_norm", num_labels=3, hidden_dropout_prob=0.0,
+        share_att_key=False, norm_rel_ebd="layer_norm", num_labels=3, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
@@ -696,7 +745,7 @@ def test_hf_deberta_v2_position_projections_take_their_rules(share_key):
     mask = torch.ones(N, 7, dtype=torch.long)
     losses_of = lambda ids, labels: F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="none")  # noqa: E731
     batch = lambda: (torch.randint(0, 50, (N, 7)), torch.randint(0, 3, (N,)))  # noqa: E731
-    projections = [f"deberta.encoder.layer.{i}.attention.self.{'key_proj' if share_key else 'pos_key_proj'}.weight" for i in range(2)]
+    projections = [f"deberta.encoder.layer.{i}.attention.self.pos_key_proj.weight" for i in range(2)]
     _shared_calls_against_the_oracle(model, params, losses_of, batch, "cockpit", projections, route="module-local: Linear rule")
 
 

@@ -109,6 +109,7 @@ class Call:
         # walk than its forward pass, and the objects made collections).
         self.outputs_entangled, self.derived_outputs = (None, ()) if self.rule is not None else _outputs_apart(module, outputs, made)
         self.shared = False  # made once for every sample: its gradients come from broadcasts
+        self.rows_per_sample = False  # broadcast to rows that are several of each sample's (taken sample-major)
         self.routed = None  # a routed.Regrouping where its rows are not the batch's samples
         self.ungrouped_from = None  # the Regrouping routed.ungroup took back (gradients taken under it)
         self.layout_inferred = inferred  # its sample dimension read from sizes (or the proof): no batch_first said it
@@ -142,15 +143,17 @@ class Call:
             self.changed = "an output of its call, a view of another tensor, was changed in place after the call (no hook follows it)"
         return self.changed
 
-    def share(self, n):
+    def share(self, n, rows_per_sample=False):
         """Take the call as made once for each of ``n`` samples, its output broadcast to them
-        (:mod:`cockpit_fast.per_sample.shared` gives its output gradient sample by sample)."""
+        (:mod:`cockpit_fast.per_sample.shared` gives its output gradient sample by sample;
+        ``rows_per_sample``: to rows that are several of each sample's)."""
         expand = lambda t: t.unsqueeze(0).expand(n, *t.shape) if isinstance(t, torch.Tensor) else t  # noqa: E731
         self.args = tuple(expand(a) for a in self.args)
         self.kwargs = {k: expand(v) for k, v in self.kwargs.items()}
         self.output_shapes = [torch.Size((n, *shape)) for shape in self.output_shapes]
         self.outputs = None  # made once: not each sample's
         self.sample_dim, self.batch_size, self.shared, self._replayed = 0, n, True, None
+        self.rows_per_sample = rows_per_sample
 
     @property
     def layout_found(self):

@@ -72,7 +72,7 @@ class Engine:
         self._checked_mixing = weakref.WeakSet()  # modules that mixed their samples when the checks ran
         self._mixed = weakref.WeakSet()  # modules whose calls do not tell their samples apart
         self._shared = weakref.WeakSet()  # modules called once for every sample, told apart where broadcast
-        self._apart = weakref.WeakSet()  # modules called on the batch's samples, told apart (some also shared)
+        self._grouped = weakref.WeakSet()  # shared modules proven broadcast to rows that are k of each sample's
         self._guessed = weakref.WeakSet()  # modules whose rows the proof showed sample-major (routed.regroup)
         self._whole_only = {}  # id(param) -> why it always takes the whole graph (found by the first checks)
         self._unused = set()  # ids of parameters the checks' backward pass did not reach
@@ -147,9 +147,9 @@ class Engine:
         step.calls = calls
         try:
             shared = [call for call in calls if call.module in self._shared and not call.shared]
-            unshared = self._share(shared, root, batch_size, step.handles)
-            # (A module called on the samples and once for them all, as DeBERTa's projections: the former as proven.)
-            self._mixed.update(c.module for c in unshared if not (c.batch_size == batch_size and c.module in self._apart))
+            # (k rows of each sample where the proof runs, or where it ran with such rows: one row each proves no grouping)
+            grouped = lambda call: (unchecked and losses is not None) or call.module in self._grouped  # noqa: E731
+            self._mixed.update(call.module for call in self._share(shared, root, batch_size, step.handles, grouped))
             checks = losses is not None and unchecked and losses.shape[0] > 0
             whole = {} if checks else self._whole_graph_needs(calls, tracked, batch_size, losses is not None, root)
             if checks or whole:
@@ -330,7 +330,7 @@ class Engine:
         self._learn_layouts([call for call in calls if call not in mixed])
         self._mixed.update(call.module for call in mixed)
         self._shared.update(call.module for call in calls if call.shared and call not in mixed)
-        self._apart.update(c.module for c in calls if not c.shared and c.batch_size == batch_size and c not in mixed)
+        self._grouped.update(call.module for call in calls if call.rows_per_sample and call not in mixed)
         guessed = [call for call in calls if call.routed is not None and call.routed.guessed]
         self._guessed.update(call.module for call in guessed if call not in mixed)
         self._checked.update(call.module for call in calls)
@@ -367,19 +367,20 @@ class Engine:
                 known = self.capture.layouts.get(call.module, frozenset())
                 self.capture.layouts[call.module] = known | {call.sample_dim}
 
-    def _share(self, calls, root, batch_size, handles):
+    def _share(self, calls, root, batch_size, handles, grouped=lambda call: True):
         """Takes apart ``calls`` made once for every sample where their output is broadcast
-        (:mod:`.shared`), adding the hooks to ``handles``; returns those in this backward pass's
-        graph that cannot be (calls of an earlier graph the user keeps are no part of it)."""
+        (:mod:`.shared`; to rows that are k of each sample's where ``grouped(call)``), adding the
+        hooks to ``handles``; returns those in this backward pass's graph that cannot be (calls
+        of an earlier graph the user keeps are no part of it)."""
         if not calls or root is None or batch_size is None:
             return calls
         for call in calls:
             if call.routed is not None and call.routed.guessed:  # its rows were no samples: one call for them all?
                 routed.ungroup(call)
-        found = shared.frontiers(root, calls, batch_size)
+        found = shared.frontiers(root, calls, batch_size, grouped)
         for call, adds in found.items():
             if adds is not None:
-                call.share(batch_size)
+                call.share(batch_size, shared.rows_per_sample(adds, batch_size))
                 handles.extend(shared.install(adds, call, self.capture))
         return [call for call, adds in found.items() if adds is None]
 

@@ -37,6 +37,10 @@ _VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 # What the graph reads for most calls: row r is sample r, of the batch's N rows. Kept as this
 # marker, not as arange(N), until a gather picks rows (a model's every call reads it each step).
 EACH_ROW_ITS_SAMPLE = "each row its sample"
+# What the graph reads above a transpose or permute that moved dimension 0: rows that may hold
+# anything (windows taken window-major), so that no tensor below is taken for the samples by
+# its N rows alone.
+MOVED = "dimension 0 moved"
 
 
 class Regrouping:
@@ -149,12 +153,13 @@ def _call_rows(call, n, memo):
     if call.input_node is None:
         return None
     node, output_nr = call.input_node
-    return _rows(node, output_nr, n, memo, 0)
+    samples = _rows(node, output_nr, n, memo, 0)
+    return None if samples is MOVED else samples
 
 
 def _rows(node, nr, n, memo, depth):
     """``(rows,)`` the sample of each row (dimension 0) of output ``nr`` of ``node`` (or
-    :data:`EACH_ROW_ITS_SAMPLE`), or None."""
+    :data:`EACH_ROW_ITS_SAMPLE`), or None (:data:`MOVED` where a transpose above moved them)."""
     if node is None or depth > 256:
         return None
     key = (node, nr, depth > 0)  # the call's own input never defaults to the samples
@@ -175,31 +180,31 @@ def _read(node, nr, n, memo, depth):
     if name == "IndexBackward0":
         index = _row_index(node._saved_indices)
         above = None if index is None else parent()
-        return None if above is None else _tensor(above, n)[index.cpu()]
+        return above if above is None or above is MOVED else _tensor(above, n)[index.cpu()]
     if name == "IndexSelectBackward0" and node._saved_dim == 0:
         above = parent()
-        return None if above is None else _tensor(above, n)[node._saved_index.cpu()]
+        return above if above is None or above is MOVED else _tensor(above, n)[node._saved_index.cpu()]
     if name == "SliceBackward0" and node._saved_dim == 0:
         above = parent()
-        if above is None or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:  # (all the rows, in order)
+        if above is None or above is MOVED or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:  # (all the rows, in order)
             return above
         return _tensor(above, n)[node._saved_start : node._saved_end : node._saved_step]
     if name in ("SplitBackward0", "SplitWithSizesBackward0") and node._saved_dim == 0:
         sizes = node._saved_split_sizes if name == "SplitWithSizesBackward0" else None
         start = sum(sizes[:nr]) if sizes is not None else nr * node._saved_split_size
         above = parent()
-        if above is None or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:
+        if above is None or above is MOVED or above is EACH_ROW_ITS_SAMPLE and shape[0] == n:
             return above
         return _tensor(above, n)[start : start + shape[0]]
     for ref in node.metadata.get(shared.CALL_TAG, ()):  # the output of a captured call: its input's rows
         call = ref()
         if call is not None and call.input_node is not None:
             above = _rows(*call.input_node, n, memo, depth + 1)
-            if above is not None and _count(above, n) == shape[0]:
+            if above is MOVED or above is not None and _count(above, n) == shape[0]:
                 return above
     if name in _VIEWS and parents and parents[0][0] is not None:
         above = parent()
-        above = None if above is None else _reshaped(above, n, parents[0][0]._input_metadata[parents[0][1]].shape, shape)
+        above = above if above is None or above is MOVED else _reshaped(above, n, parents[0][0]._input_metadata[parents[0][1]].shape, shape)
         if above is not None:
             return above
     if name in _ELEMENTWISE or _keeps_rows(node, name, len(shape)):
@@ -208,6 +213,8 @@ def _read(node, nr, n, memo, depth):
                 above = _rows(next_node, next_nr, n, memo, depth + 1)
                 if above is not None:
                     return above
+    if name in ("TransposeBackward0", "PermuteBackward0"):  # (dimension 0 moved: its N rows may be windows)
+        return MOVED
     # Rows read from nowhere above: a tensor of N rows holds the samples (but the call's own input).
     return EACH_ROW_ITS_SAMPLE if depth and shape[0] == n else None
 

@@ -11,8 +11,9 @@ an unsqueeze, a mask applied with ``where``: tensors still one for all, so each 
 the same linear map for every sample, and ``vmap`` applies it to all rows at once). Where the
 broadcast makes rows that are ``k`` of each sample's (an image's windows) or ``repeat`` makes a
 copy for each (DeBERTa's position projections, for each sample's heads), each sample's rows are
-taken sample-major. The call then has per-sample output gradients like any other and takes its
-module's rule.
+taken sample-major, where the engine's proof checks it with such rows (one row each proves no
+order). The call then has per-sample output gradients like any other and takes its module's
+rule.
 
 Uses through nodes with several outputs, or into anything but such broadcasts, leave the call to
 the whole graph (:func:`frontiers`); the engine proves the result like every other call's.
@@ -50,11 +51,12 @@ def is_shared_lookup(module, args, output, sample_dim, batch_size):
     )
 
 
-def frontiers(root, calls, batch_size):
+def frontiers(root, calls, batch_size, grouped=lambda call: True):
     """``{call: [(node, chain)] or None}`` for the ``calls`` whose output is in the graph of
     ``root`` (a backward node): the broadcasting adds its output reaches through nodes that
     keep it one for all, each with those nodes from the add's side to the output's; None where
-    the output is used otherwise."""
+    the output is used otherwise. Rows that are ``k`` of each sample's (:func:`_broadcasts_samples`)
+    only for the calls ``grouped(call)`` allows (where a proof checks them, or checked them)."""
     consumers, targets = defaultdict(list), {}
     wanted = {id(call) for call in calls}
     seen, stack = {root}, [root]
@@ -71,13 +73,13 @@ def frontiers(root, calls, batch_size):
                     seen.add(nxt)
                     stack.append(nxt)
 
-    def climb(node, chain, found, output_shape):
+    def climb(node, chain, found, output_shape, rows):
         for consumer in dict.fromkeys(consumers[node]):
             link = (consumer, [i for i, (nxt, _) in enumerate(consumer.next_functions) if nxt is node])
-            if type(consumer).__name__ in _BROADCASTS and _broadcasts_samples(consumer, chain, output_shape, batch_size):
+            if type(consumer).__name__ in _BROADCASTS and _broadcasts_samples(consumer, chain, output_shape, batch_size, rows):
                 found.append((consumer, chain))
             elif _still_shared(consumer, batch_size):
-                if not climb(consumer, [link, *chain], found, output_shape):
+                if not climb(consumer, [link, *chain], found, output_shape, rows):
                     return False
             else:
                 return False
@@ -86,7 +88,7 @@ def frontiers(root, calls, batch_size):
     out = {}
     for call, node in targets.items():
         found = []
-        out[call] = found if climb(node, [], found, call.output_shapes[0]) and found else None
+        out[call] = found if climb(node, [], found, call.output_shapes[0], grouped(call)) and found else None
     del climb  # a recursive closure is a reference cycle: it would hold the graph until a collection
     return out
 
@@ -101,19 +103,25 @@ def _still_shared(node, batch_size):
     return type(node).__name__ in _VIEWS or len(shape) == 0 or shape[0] != batch_size
 
 
-def _broadcasts_samples(node, chain, output_shape, batch_size):
-    """Whether ``node`` broadcasts the shared tensor (one for all) to ``batch_size`` samples, or
-    to rows that are ``k`` of each sample's (windows of an image; heads, as DeBERTa repeats its
-    position projections for each sample's): taken sample-major, which the engine's proof
-    checks."""
+def _broadcasts_samples(node, chain, output_shape, batch_size, rows=True):
+    """Whether ``node`` broadcasts the shared tensor (one for all) to ``batch_size`` samples, or,
+    where ``rows``, to rows that are ``k`` of each sample's (windows of an image; heads, as
+    DeBERTa repeats its position projections for each sample's): taken sample-major, which the
+    engine's proof checks."""
     result = list(node._input_metadata[0].shape)
     shape = list(chain[0][0]._input_metadata[0].shape) if chain else list(output_shape)
     padded = [1] * (len(result) - len(shape)) + shape
     if len(padded) != len(result) or not result or result[0] == 0 or result[0] % batch_size:
         return False
     if type(node).__name__ == "RepeatBackward0":  # (each sample's copy: repeated along dimension 0 alone)
-        return result == [batch_size * padded[0], *padded[1:]]
-    return padded[0] == 1
+        return (rows or padded[0] == 1) and result == [batch_size * padded[0], *padded[1:]]
+    return padded[0] == 1 and (rows or result[0] == batch_size)
+
+
+def rows_per_sample(found, batch_size):
+    """Whether some broadcast of ``found`` (:func:`frontiers`) reaches rows that are several of
+    each sample's, whose grouping only a proof with such rows tells."""
+    return any(node._input_metadata[0].shape[0] != batch_size for node, _ in found)
 
 
 def per_sample_output_grads(chain, grad, batch_size, output_shape):
