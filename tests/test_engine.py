@@ -590,54 +590,48 @@ def test_a_call_shared_by_every_window_of_every_sample_is_replayed_where_it_is_b
     )
 
 
-def test_windows_taken_window_major_are_never_taken_for_the_samples():
-    """One window on the first step proves nothing of their order. With several on later steps,
-    window-major: the bias's gradient was split among the samples sample-major, unproven, and
-    rows below a transpose of the windows, as many as the samples, were read as the samples:
-    wrong numbers, with the individual losses or without. Now the whole graph, or an error."""
+def _windowed_steps(window_major, plan):
+    """Steps of :class:`_WindowAttention` on ``plan``'s ``(tokens, with the individual losses)``,
+    each against a backward pass per sample; a step without the losses that no exact route
+    serves must ask for them. Returns the cockpit and the model (its names for the routes)."""
     torch.manual_seed(0)
-    model = _WindowAttention(window_major=True).double()
+    model = _WindowAttention(window_major).double()
     params = list(model.parameters())
     cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
     gen = torch.Generator().manual_seed(1)
-    for step, (length, with_losses) in enumerate([(3, True), (3 * N, True), (3 * N, False)]):
+    for step, (length, with_losses) in enumerate(plan):
         x, y = torch.randn(N, length, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
         model.zero_grad()
         losses = F.cross_entropy(model(x), y, reduction="none")
         info = {"batch_size": N, "loss": losses.mean()} | ({"individual_losses": losses} if with_losses else {})
-        if not with_losses:
+        if window_major and not with_losses:
             with pytest.raises(ValueError, match="need every sample's own loss"):
                 with cockpit(step, info=info):
                     losses.mean().backward()
             continue
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # (the whole graph's notice)
+            # (window-major: the whole graph's notice; sample-major: none)
+            warnings.simplefilter("ignore" if window_major else "error", RuntimeWarning)
             with cockpit(step, info=info):
                 losses.mean().backward(retain_graph=True)
         expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
         assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-9), step
+    return cockpit, model
+
+
+def test_windows_taken_window_major_are_never_taken_for_the_samples():
+    """One window on the first step proves nothing of their order. With several on later steps,
+    window-major: the bias's gradient was split among the samples sample-major, unproven, and
+    rows below a transpose of the windows, as many as the samples, were read as the samples:
+    wrong numbers, with the individual losses or without. Now the whole graph, or an error."""
+    _windowed_steps(True, [(3, True), (3 * N, True), (3 * N, False)])
 
 
 def test_rows_of_windows_are_read_through_attention_on_steps_without_the_individual_losses():
     """The rows of a projection after attention within windows (Swin's o_proj) were guessed
     sample-major, not read through the products, softmax and transposes that keep each
     window's row: every step without the individual losses raised, needing them."""
-    torch.manual_seed(0)
-    model = _WindowAttention().double()
-    params = list(model.parameters())
-    cockpit = Cockpit(params, quantities=[quantities.NormTest(EVERY)])
-    gen = torch.Generator().manual_seed(1)
-    for step in range(3):
-        x, y = torch.randn(N, 6, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
-        model.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        info = {"batch_size": N, "loss": losses.mean()} | ({"individual_losses": losses} if step == 0 else {})
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # (no whole graph's notice)
-            with cockpit(step, info=info):
-                losses.mean().backward(retain_graph=True)
-        expected = gradient_tests(one_pass_per_sample(losses, params))["NormTest"]
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-9), step
+    cockpit, _model = _windowed_steps(False, [(6, True), (6, False), (6, False)])
     assert cockpit.routes()["out.weight"] == "module-local: Linear rule, rows regrouped by sample"
 
 
