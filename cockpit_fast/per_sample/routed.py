@@ -208,11 +208,15 @@ def _read(node, nr, n, memo, depth):
         if above is not None:
             return above
     if name in _ELEMENTWISE or _keeps_rows(node, name, len(shape)):
+        moved = False  # (an input whose rows a transpose moved: read from another, else from none)
         for next_node, next_nr in parents:
             if next_node is not None and _leading(next_node, next_nr) == shape[0]:
                 above = _rows(next_node, next_nr, n, memo, depth + 1)
-                if above is not None:
+                moved |= above is MOVED
+                if above is not None and above is not MOVED:
                     return above
+        if moved:
+            return MOVED
     if name in ("TransposeBackward0", "PermuteBackward0"):  # (dimension 0 moved: its N rows may be windows)
         return MOVED
     # Rows read from nowhere above: a tensor of N rows holds the samples (but the call's own input).
