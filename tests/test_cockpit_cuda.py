@@ -7,12 +7,12 @@ import pytest
 import torch
 from backpack import extend
 
+from any_models import gradient_tests
 from cockpit_fast.cockpit import Cockpit
 from cockpit_fast.quantities import GradHist2d, NormTest
 from cockpit_fast.utils.configuration import configuration
 from cockpit_fast.utils.training import training_step
 from test_cockpit_core import assert_same_output
-from test_engine import _norm_test
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -138,7 +138,7 @@ def test_layers_computing_in_tf32_keep_their_rules_and_match_the_oracle(family):
     assert not [name for name, route in cockpit.routes().items() if "whole" in route]
     twin = copy.deepcopy(model).cpu().double()
     g = flat(oracle_grads(twin, list(twin.parameters()), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"), x.double(), y))
-    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(_norm_test(g), rel=1e-2)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(gradient_tests(g)["NormTest"], rel=1e-2)
 
 
 def test_a_recurrent_layer_called_on_the_cpu_then_tracked_on_the_gpu_keeps_its_rule():
